@@ -1,0 +1,255 @@
+"""Framework interop: describe arrays, pick the stream, allocate and return.
+
+An array from any framework is reduced to a :class:`Tensor` record (device
+pointer, shape, strides in elements, dtype name, device) without copying:
+PyTorch and CuPy through their attributes (the fast path), anything else
+through the DLPack protocol (``__dlpack_device__`` / ``__dlpack__``), whose
+capsule is read with ctypes, so bfloat16 works whether or not CuPy has a
+bfloat16 dtype. Results go back in the caller's framework: torch in, torch
+out; JAX in, JAX out; CuPy (and any other DLPack producer) in, CuPy out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any, NamedTuple
+
+import numpy as np
+
+CPU, CUDA = "cpu", "cuda"
+
+# DLPack constants (dlpack.h).
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+_DL_DTYPES = {
+    (0, 32): "int32", (0, 64): "int64", (0, 16): "int16", (0, 8): "int8",
+    (1, 8): "uint8", (1, 16): "uint16", (1, 32): "uint32", (1, 64): "uint64",
+    (2, 16): "float16", (2, 32): "float32", (2, 64): "float64",
+    (4, 16): "bfloat16", (6, 8): "bool",
+}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+            "int32": 4, "int64": 8, "int16": 2, "int8": 1, "uint8": 1,
+            "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1}
+
+
+class Tensor(NamedTuple):
+    """What the kernels need to know about an array; strides are in elements."""
+
+    obj: Any
+    kind: str  # "torch" | "cupy" | "jax" | "numpy" | "dlpack"
+    ptr: int
+    shape: tuple
+    strides: tuple
+    dtype: str
+    device: tuple  # ("cpu", 0) or ("cuda", id)
+    readonly: bool
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device[0] == CUDA
+
+    def span(self) -> tuple:
+        """[first byte, one past the last byte] this view can touch."""
+        if 0 in self.shape:
+            return (self.ptr, self.ptr)
+        lo = hi = 0
+        for n, st in zip(self.shape, self.strides):
+            if st < 0:
+                lo += (n - 1) * st
+            else:
+                hi += (n - 1) * st
+        return (self.ptr + lo * self.itemsize, self.ptr + (hi + 1) * self.itemsize)
+
+    def self_overlapping(self) -> bool:
+        """True if two indices can reach one element (e.g. a stride-0 broadcast)."""
+        dims = sorted((abs(st), n) for n, st in zip(self.shape, self.strides) if n > 1)
+        reach = 1  # elements covered by the dims seen so far
+        for st, n in dims:
+            if st < reach:
+                return True
+            reach = st * (n - 1) + reach
+        return False
+
+
+# ----------------------------------------------------------------- DLPack --
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _from_capsule(obj, kind: str, capsule, readonly: bool) -> Tensor:
+    """Read a legacy ("dltensor") DLPack capsule without consuming it.
+
+    The capsule keeps the producer's buffer alive while we hold it; it is
+    released (its deleter runs) when the capsule is garbage collected, and
+    the caller keeps ``obj`` alive for as long as the launch needs it.
+    """
+    addr = _capsule_pointer(capsule, b"dltensor")
+    t = _DLManagedTensor.from_address(addr).dl_tensor
+    ndim = t.ndim
+    shape = tuple(t.shape[i] for i in range(ndim))
+    if t.strides:
+        strides = tuple(t.strides[i] for i in range(ndim))
+    else:
+        strides, acc = [], 1
+        for n in reversed(shape):
+            strides.append(acc)
+            acc *= n
+        strides = tuple(reversed(strides))
+    if t.dtype.lanes != 1 or (t.dtype.code, t.dtype.bits) not in _DL_DTYPES:
+        raise TypeError(f"unsupported DLPack dtype code={t.dtype.code} bits={t.dtype.bits} "
+                        f"lanes={t.dtype.lanes}")
+    dtype = _DL_DTYPES[(t.dtype.code, t.dtype.bits)]
+    dev_type = t.device.device_type
+    if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+        device = (CUDA, t.device.device_id)
+    elif dev_type in (_DL_CPU, _DL_CUDA_HOST):
+        device = (CPU, 0)
+    else:
+        raise TypeError(f"unsupported DLPack device type {dev_type}")
+    return Tensor(obj, kind, (t.data or 0) + t.byte_offset, shape, strides, dtype, device, readonly)
+
+
+# ------------------------------------------------------------- describe ----
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_dtype_name(dt) -> str:
+    name = _TORCH_DTYPES.get(dt)
+    if name is None:
+        name = str(dt).replace("torch.", "")
+        _TORCH_DTYPES[dt] = name
+    return name
+
+
+def _module_of(x) -> str:
+    return type(x).__module__.partition(".")[0]
+
+
+def describe(x, name: str) -> Tensor:
+    """A :class:`Tensor` record for ``x``; ``name`` is used in error messages."""
+    if isinstance(x, Tensor):
+        return x
+    mod = _module_of(x)
+    if mod == "torch":
+        dev = x.device
+        device = (CUDA, dev.index) if dev.type == "cuda" else (CPU, 0)
+        return Tensor(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()),
+                      _torch_dtype_name(x.dtype), device, False)
+    if mod == "cupy" and hasattr(x, "data") and hasattr(x, "strides"):
+        item = x.itemsize
+        return Tensor(x, "cupy", x.data.ptr, x.shape, tuple(s // item for s in x.strides),
+                      x.dtype.name, (CUDA, x.device.id), False)
+    if isinstance(x, np.ndarray):
+        item = x.itemsize
+        return Tensor(x, "numpy", x.ctypes.data, x.shape, tuple(s // item for s in x.strides),
+                      x.dtype.name, (CPU, 0), not x.flags.writeable)
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        kind = "jax" if mod in ("jax", "jaxlib") else "dlpack"
+        dev_type, _ = x.__dlpack_device__()
+        stream = None
+        if int(dev_type) in (_DL_CUDA, _DL_CUDA_MANAGED):
+            stream = cupy_stream()
+            if stream == 0:  # DLPack spells the legacy default stream 1
+                stream = 1
+        try:
+            capsule = x.__dlpack__(stream=stream)
+        except TypeError:
+            capsule = x.__dlpack__()
+        return _from_capsule(x, kind, capsule, readonly=(kind == "jax"))
+    raise TypeError(f"{name}: expected an array supporting DLPack (torch, JAX, CuPy) or a "
+                    f"NumPy array, got {type(x).__name__}")
+
+
+# --------------------------------------------------------------- streams ---
+def cupy_stream() -> int:
+    import cupy
+
+    return cupy.cuda.get_current_stream().ptr
+
+
+def stream_for(t: Tensor) -> int:
+    """The stream the caller's framework would run on now, as a raw handle."""
+    if t.kind == "torch":
+        torch = sys.modules["torch"]
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return raw(t.device[1])
+        return torch.cuda.current_stream(t.device[1]).cuda_stream
+    return cupy_stream()
+
+
+# ------------------------------------------------------------ allocation ---
+def _cupy_dtype(name: str):
+    import cupy
+
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+
+            return cupy.dtype(ml_dtypes.bfloat16)
+        except Exception as exc:
+            raise TypeError(
+                "a bfloat16 result for this framework needs CuPy's bfloat16 dtype "
+                "(install ml_dtypes with CuPy >= 14); or pass out=, or use torch tensors"
+            ) from exc
+    return cupy.dtype(name)
+
+
+def empty_like(t: Tensor):
+    """A new uninitialised array of ``t``'s framework, shape, dtype and device.
+
+    Torch and CuPy keep ``t``'s strides when it is dense (a permuted view gets
+    an output with the same memory order); otherwise the result is
+    contiguous.
+    """
+    if t.kind == "torch":
+        return sys.modules["torch"].empty_like(t.obj)
+    import cupy
+
+    with cupy.cuda.Device(t.device[1]):
+        if t.kind == "cupy":
+            return cupy.empty_like(t.obj)
+        return cupy.empty(t.shape, dtype=_cupy_dtype(t.dtype))
+
+
+def wrap_result(t: Tensor, arr):
+    """Return ``arr`` (allocated by :func:`empty_like`) as ``t``'s framework type."""
+    if t.kind == "jax":
+        import jax.dlpack
+
+        return jax.dlpack.from_dlpack(arr)
+    return arr

@@ -1,0 +1,190 @@
+"""Kernel specializations: the key, the source, and the NVRTC compile.
+
+Everything that becomes a compile-time template argument lives in
+:class:`Spec`; one ``Spec`` is one kernel instantiation. Kernels are
+compiled on first use for the device that runs them, cached in memory per
+(spec, device) and on disk by CuPy's kernel cache (``CUPY_CACHE_DIR``,
+default ``~/.cupy/kernel_cache``), so a new process loads the cubin instead of
+compiling again.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Directory of the CUDA C++ templates (shipped inside the package).
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+if not KERNEL_DIR.is_dir():  # running from a source checkout
+    KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+
+#: NVRTC options shared by the runtime compile and the CPU compile test.
+#: No fast-math: sincosf keeps its full-accuracy range reduction.
+NVRTC_OPTIONS = ("-std=c++17",)
+
+# C++ spelling of each storage dtype.
+CXX_TYPES = {
+    "float32": "float",
+    "float16": "rope::f16",
+    "bfloat16": "rope::bf16",
+    "int32": "int",
+    "int64": "long long",
+}
+
+ANGLE_SOURCES = {"table": 0, "inv_freq": 1, "angle_table": 2}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Compile-time choices of one ``rope_kernel`` instantiation."""
+
+    dtype: str  # x and out: float32 | float16 | bfloat16
+    angle_dtype: str  # cos/sin tables, angles or inv_freq
+    pos_dtype: str  # positions (int32 when absent)
+    off_dtype: str  # offsets (int32 when absent)
+    head_dim: int
+    rotary_dim: int
+    interleaved: bool  # GPT-J pairs (2f, 2f+1); else NeoX (f, f + rotary_dim/2)
+    source: str  # key of ANGLE_SOURCES
+    pairs: int  # channel pairs per thread item (vector width)
+    tail_vec: int  # channels per tail-copy item
+    strided: bool  # last dim of x or out has a stride other than 1
+    table_strided: bool  # tables read element by element
+    copy_tail: bool  # out of place: copy channels [rotary_dim, head_dim)
+    unroll: int  # heads a thread loads before its first store
+
+    @property
+    def rot_items(self) -> int:
+        return self.rotary_dim // 2 // self.pairs
+
+    @property
+    def tail_items(self) -> int:
+        return (self.head_dim - self.rotary_dim) // self.tail_vec if self.copy_tail else 0
+
+    def name_expression(self) -> str:
+        b = lambda v: "true" if v else "false"  # noqa: E731
+        args = [
+            CXX_TYPES[self.dtype],
+            CXX_TYPES[self.angle_dtype],
+            CXX_TYPES[self.pos_dtype],
+            CXX_TYPES[self.off_dtype],
+            str(self.head_dim),
+            str(self.rotary_dim),
+            b(self.interleaved),
+            str(ANGLE_SOURCES[self.source]),
+            str(self.pairs),
+            str(self.tail_vec),
+            b(self.strided),
+            b(self.table_strided),
+            b(self.copy_tail),
+            str(self.unroll),
+        ]
+        return "rope::rope_kernel<" + ", ".join(args) + ">"
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(name: str = "rope.cu") -> str:
+    """The kernel file with its local includes inlined (each once).
+
+    Inlining makes the source self-contained, so CuPy's disk cache, which
+    hashes the source text, sees every header change.
+    """
+    seen: set[str] = set()
+
+    def expand(fname: str) -> str:
+        if fname in seen:
+            return ""
+        seen.add(fname)
+        text = (KERNEL_DIR / fname).read_text()
+        text = text.replace("#pragma once", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(name)
+
+
+# ---------------------------------------------------------------- runtime --
+_lock = threading.Lock()
+_modules: dict = {}  # (Spec, device id) -> (RawModule, Function)
+
+
+class CompileError(RuntimeError):
+    """NVRTC could not be found or could not compile a specialization."""
+
+
+def _nvrtc_help(exc: Exception) -> CompileError:
+    return CompileError(
+        f"cupy-rope could not compile its CUDA kernel with NVRTC ({type(exc).__name__}: {exc}). "
+        "NVRTC comes with CuPy's CUDA extras: install cupy-rope[cuda12] "
+        "(cupy-cuda12x and nvidia-cuda-nvrtc-cu12) or cupy-rope[cuda13] "
+        "(cupy-cuda13x and nvidia-cuda-nvrtc), or a CUDA toolkit with libnvrtc on the "
+        "library path."
+    )
+
+
+def get_kernel(spec: Spec, device_id: int):
+    """The compiled kernel for ``spec`` on ``device_id`` (a cupy Function)."""
+    key = (spec, device_id)
+    hit = _modules.get(key)
+    if hit is not None:
+        return hit[1]
+    with _lock:  # compile each key once, even with many threads
+        hit = _modules.get(key)
+        if hit is not None:
+            return hit[1]
+        import cupy
+
+        name = spec.name_expression()
+        try:
+            with cupy.cuda.Device(device_id):
+                module = cupy.RawModule(
+                    code=kernel_source(), options=NVRTC_OPTIONS, name_expressions=[name]
+                )
+                function = module.get_function(name).kernel  # cupy.cuda.function.Function
+        except cupy.cuda.compiler.CompileException:
+            raise
+        except Exception as exc:  # missing libnvrtc and the like
+            raise _nvrtc_help(exc) from exc
+        _modules[key] = (module, function)
+        return function
+
+
+def compile_for_arch(specs, arch: str = "sm_90") -> dict:
+    """Compile ``specs`` with NVRTC for ``arch`` without a GPU.
+
+    Returns ``{name_expression: lowered_name}``; raises :class:`CompileError`
+    with NVRTC's log on failure or on any warning. Used by the CPU tests to
+    check every shipped specialization; the runtime path compiles through
+    CuPy with the same source and options.
+    """
+    try:
+        from cupy.cuda import nvrtc
+    except Exception as exc:  # pragma: no cover - depends on the install
+        raise _nvrtc_help(exc) from exc
+    names = [s.name_expression() for s in specs]
+    try:
+        prog = nvrtc.createProgram(kernel_source(), "rope.cu", [], [])
+    except Exception as exc:
+        raise _nvrtc_help(exc) from exc
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        options = list(NVRTC_OPTIONS) + [f"-arch={arch}"]
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            raise CompileError(f"{exc}\n{nvrtc.getProgramLog(prog)}") from exc
+        log = nvrtc.getProgramLog(prog).strip()
+        if log:
+            raise CompileError(f"NVRTC warnings for {arch}:\n{log}")
+        cubin = nvrtc.getCUBIN(prog)
+        if not cubin:
+            raise CompileError(f"NVRTC produced no cubin for {arch}")
+        return {n: nvrtc.getLoweredName(prog, n) for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)

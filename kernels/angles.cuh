@@ -1,0 +1,88 @@
+// Where the rotation angles come from.
+//
+// For frequency index f (0 <= f < rotary_dim / 2) and position p the angle
+// is theta = p * inv_freq[f]; a thread needs cos(theta) and sin(theta) for
+// PAIRS consecutive frequencies and reuses them for every head it rotates.
+#pragma once
+#include "params.cuh"
+
+namespace rope {
+
+enum AngleSource : int {
+  TABLE = 0,        // cos/sin looked up in [max_position, rotary_dim/2] tables
+  INV_FREQ = 1,     // theta = p * inv_freq[f] in fp32, then accurate sincosf
+  ANGLE_TABLE = 2,  // theta looked up in [max_position, rotary_dim/2], then sincosf
+};
+
+// theta = pos * inv_freq reduced to about [-pi, pi] without losing the
+// bits a plain fp32 product drops at large positions.
+//
+// pos is exact in fp32 below 2^24. The product is split exactly into
+// hi + lo (hi = fl(pos * f), lo = fma(pos, f, -hi)). With k = rint(hi / 2pi)
+// and 2pi = C1 + C2 + C3 (C1 = fl(2pi)), hi - k * C1 is exact in one fma
+// (its value is a multiple of ulp(C1) = 2^-21 below 8 in magnitude), so the
+// only errors left are a few roundings of numbers below 8: the angle is
+// within ~1e-6 rad of the exact pos * f for every pos < 2^24 (the
+// float64 error bound is documented and tested), where a plain
+// sincosf(pos * f) is off by up to pos * f * 2^-24 (0.06 rad at 2^20).
+__device__ __forceinline__ float reduced_angle(float pos, float f) {
+  constexpr float C1 = 6.28318548202514648438f;      // fl(2 pi)
+  constexpr float C2 = -1.74845553146951715e-07f;     // fl(2 pi - C1)
+  constexpr float C3 = -6.86049804002352753e-15f;     // fl(2 pi - C1 - C2)
+  constexpr float INV_2PI = 0.15915494309189533577f;
+  const float hi = pos * f;
+  const float lo = fmaf(pos, f, -hi);
+  const float k = rintf(hi * INV_2PI);
+  float r = fmaf(-k, C1, hi);
+  r = fmaf(-k, C2, r);
+  r = fmaf(-k, C3, r);
+  return r + lo;
+}
+
+template <typename AngleT, int PAIRS, bool TABLE_STRIDED>
+__device__ __forceinline__ void load_row(const void* base, i64 offset, i64 col_stride,
+                                         float (&v)[PAIRS]) {
+  const AngleT* p = static_cast<const AngleT*>(base) + offset;
+  load<AngleT, PAIRS, TABLE_STRIDED>(p, col_stride, v);
+}
+
+// cos and sin of the angles of frequencies [f0, f0 + PAIRS) at position pos.
+// A position outside the table yields NaN instead of an out-of-bounds read.
+template <int SOURCE, typename AngleT, int PAIRS, bool TABLE_STRIDED>
+__device__ __forceinline__ void angles(const Params& p, i64 pos, int f0,
+                                       float (&c)[PAIRS], float (&s)[PAIRS]) {
+  const i64 col = static_cast<i64>(f0) * p.table_stride_col;
+  if constexpr (SOURCE == INV_FREQ) {
+    float inv_freq[PAIRS];
+    load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, col, p.table_stride_col, inv_freq);
+    const float fpos = static_cast<float>(pos);
+#pragma unroll
+    for (int i = 0; i < PAIRS; ++i) {
+      const float r = reduced_angle(fpos, inv_freq[i]);
+      sincosf(r, &s[i], &c[i]);
+    }
+  } else {
+    const bool inside = pos >= 0 && pos < p.max_position;
+    if (!inside) {
+#pragma unroll
+      for (int i = 0; i < PAIRS; ++i) c[i] = s[i] = __int_as_float(0x7fffffff);
+      return;
+    }
+    if constexpr (SOURCE == TABLE) {
+      load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, pos * p.cos_stride_row + col,
+                                             p.table_stride_col, c);
+      load_row<AngleT, PAIRS, TABLE_STRIDED>(p.sin, pos * p.sin_stride_row + col,
+                                             p.table_stride_col, s);
+    } else {
+      float theta[PAIRS];
+      load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, pos * p.cos_stride_row + col,
+                                             p.table_stride_col, theta);
+#pragma unroll
+      for (int i = 0; i < PAIRS; ++i) sincosf(theta[i], &s[i], &c[i]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < PAIRS; ++i) s[i] *= p.sin_sign;
+}
+
+}  // namespace rope

@@ -1,0 +1,108 @@
+// Storage types, conversions to and from float, and aligned vector access.
+//
+// The kernels never include CUDA's own headers (cuda_fp16.h, cuda_bf16.h):
+// half and bfloat16 are plain 16-bit storage here, converted with single PTX
+// instructions. NVRTC then needs no toolkit headers at all, which keeps the
+// runtime dependency down to libnvrtc.
+#pragma once
+
+namespace rope {
+
+typedef long long i64;
+
+// 16-bit storage types. Arithmetic is always done in float.
+struct alignas(2) bf16 { unsigned short bits; };
+struct alignas(2) f16 { unsigned short bits; };
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+
+__device__ __forceinline__ float to_float(bf16 v) {
+  // bfloat16 is the upper half of an IEEE float.
+  return __uint_as_float(static_cast<unsigned>(v.bits) << 16);
+}
+
+__device__ __forceinline__ float to_float(f16 v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float v) {
+  bf16 r;
+#if __CUDA_ARCH__ >= 800
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+#else
+  // Round to nearest even by hand; NaN stays a quiet NaN.
+  unsigned u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    r.bits = static_cast<unsigned short>((u >> 16) | 0x40u);
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);
+    r.bits = static_cast<unsigned short>(u >> 16);
+  }
+#endif
+  return r;
+}
+
+template <> __device__ __forceinline__ f16 from_float<f16>(float v) {
+  f16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+  return r;
+}
+
+// N values of T that the hardware moves as one access. Loads and stores of
+// up to 16 bytes become a single LDG/STG when the address is aligned to the
+// packet size; the launcher only picks widths whose alignment it has checked.
+template <typename T, int N> struct alignas(sizeof(T) * N <= 16 ? sizeof(T) * N : 16) Packet {
+  T v[N];
+};
+
+// Load N consecutive elements (STRIDED: elements `stride` apart) as raw
+// storage, without converting; kernels issue all their loads first and
+// convert afterwards, so that many loads are in flight at once.
+template <typename T, int N, bool STRIDED = false>
+__device__ __forceinline__ Packet<T, N> load_raw(const T* p, i64 stride) {
+  if constexpr (STRIDED) {
+    Packet<T, N> pk;
+#pragma unroll
+    for (int i = 0; i < N; ++i) pk.v[i] = p[i * stride];
+    return pk;
+  } else {
+    return *reinterpret_cast<const Packet<T, N>*>(p);
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void to_floats(const Packet<T, N>& pk, float (&out)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
+}
+
+template <typename T, int N, bool STRIDED = false>
+__device__ __forceinline__ void load(const T* p, i64 stride, float (&out)[N]) {
+  to_floats(load_raw<T, N, STRIDED>(p, stride), out);
+}
+
+template <typename T, int N, bool STRIDED = false>
+__device__ __forceinline__ void store_raw(T* p, i64 stride, const Packet<T, N>& pk) {
+  if constexpr (STRIDED) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) p[i * stride] = pk.v[i];
+  } else {
+    *reinterpret_cast<Packet<T, N>*>(p) = pk;
+  }
+}
+
+template <typename T, int N, bool STRIDED = false>
+__device__ __forceinline__ void store(T* p, i64 stride, const float (&in)[N]) {
+  Packet<T, N> pk;
+#pragma unroll
+  for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
+  store_raw<T, N, STRIDED>(p, stride, pk);
+}
+
+}  // namespace rope

@@ -1,0 +1,60 @@
+"""Helpers for GPU tests: NumPy <-> device arrays for every dtype, bit views."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from conftest import np_dtype
+
+
+def cupy_bf16_ok() -> bool:
+    try:
+        import cupy
+        import ml_dtypes
+
+        cupy.dtype(ml_dtypes.bfloat16)
+        return True
+    except Exception:
+        return False
+
+
+def to_device(a: np.ndarray, framework: str = "cupy"):
+    """A device copy of ``a`` (same dtype, C-contiguous) in ``framework``."""
+    a = np.ascontiguousarray(a)
+    if framework == "torch" or (a.dtype.name == "bfloat16" and not cupy_bf16_ok()):
+        import torch
+
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).cuda()
+        return torch.from_numpy(a.copy()).cuda()
+    if framework == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(a)
+    import cupy
+
+    return cupy.asarray(a)
+
+
+def to_host(a) -> np.ndarray:
+    """NumPy copy of a device array, keeping its dtype (bfloat16 via ml_dtypes)."""
+    mod = type(a).__module__.partition(".")[0]
+    if mod == "torch":
+        import torch
+
+        a = a.detach()
+        if a.dtype == torch.bfloat16:
+            return a.view(torch.int16).cpu().numpy().view(np_dtype("bfloat16"))
+        return a.cpu().numpy()
+    if mod == "cupy":
+        return a.get()
+    return np.asarray(a)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """Raw bit patterns, for bit-exact comparisons."""
+    return np.ascontiguousarray(a).view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.itemsize])
+
+
+def full_nan(shape, dtype: str, framework: str = "cupy"):
+    return to_device(np.full(shape, np.nan, dtype=np_dtype(dtype)), framework)

@@ -1,0 +1,66 @@
+"""NVRTC compiles every shipped specialization for sm_90, with no GPU (CPU)."""
+
+import os
+import re
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from cupy_rope import launch, specialize
+
+CHUNK = 60  # name expressions per NVRTC program
+
+
+def _compile_chunk(args):
+    specs, arch = args
+    return specialize.compile_for_arch(specs, arch)
+
+
+def test_every_shipped_specialization_compiles_for_sm90():
+    specs = launch.shipped_specs()
+    assert len(specs) > 1000  # the whole grid, not a sample
+    chunks = [(specs[i:i + CHUNK], "sm_90") for i in range(0, len(specs), CHUNK)]
+    workers = min(len(chunks), os.cpu_count() or 1)
+    lowered = {}
+    with ProcessPoolExecutor(workers) as pool:
+        for result in pool.map(_compile_chunk, chunks):
+            lowered.update(result)
+    assert set(lowered) == {s.name_expression() for s in specs}
+    assert all(name.startswith("_ZN4rope11rope_kernel") for name in lowered.values())
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100"])
+def test_other_architectures_compile(arch):
+    specs = [s for s in launch.shipped_specs() if s.head_dim == 128][:40]
+    specialize.compile_for_arch(specs, arch)
+
+
+def test_compile_error_is_reported():
+    bad = specialize.Spec("float32", "float32", "int32", "int32", 8, 6, False, "table",
+                          4, 1, False, False, True, 4)  # 4 pairs do not divide 3
+    with pytest.raises(specialize.CompileError, match="PAIRS divides"):
+        specialize.compile_for_arch([bad], "sm_90")
+
+
+def test_params_struct_matches_kernel_header():
+    """launch.PARAM_FIELDS lists rope::Params' fields in the header's order."""
+    text = (specialize.KERNEL_DIR / "params.cuh").read_text()
+    text = re.sub(r"//[^\n]*", "", text)
+
+    def fields(struct):
+        body = re.search(r"struct %s \{(.*?)\};" % struct, text, re.S).group(1)
+        return [m.group(2) for m in re.finditer(r"(\w[\w\s\*]*?)\s+(\w+);", body)]
+
+    expanded = []
+    for name in fields("Params"):
+        if name in ("x", "out"):
+            expanded += [f"{name}.{f}" for f in fields("View")]
+        else:
+            expanded.append(name)
+    assert expanded == [name for name, _ in launch.PARAM_FIELDS]
+
+
+def test_kernel_source_is_self_contained():
+    src = specialize.kernel_source()
+    assert '#include "' not in src
+    assert "#include <" not in src  # no CUDA toolkit headers needed

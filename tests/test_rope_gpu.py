@@ -1,0 +1,235 @@
+"""Kernels against the float64 reference on fresh random inputs (GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupy_rope
+from conftest import assert_close, np_dtype, oracle
+from gpu_util import bits, full_nan, to_device, to_host
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ["float32", "float16", "bfloat16"]
+HEAD_DIMS = [64, 80, 96, 128, 256]
+FRACTIONS = [1.0, 0.5, 0.25]
+B, S, H = 2, 5, 3
+EXTRA_ROWS = 16
+
+
+def make_x(rng, layout, dtype, head_dim, b=B, s=S, h=H):
+    """(host x in the call's layout, device x as the call sees it)."""
+    if layout == "bhsd_view":  # a transposed [b, h, s, d] tensor seen as bshd, no copy
+        base = rng.standard_normal((b, h, s, head_dim)).astype(np_dtype(dtype))
+        return base.transpose(0, 2, 1, 3), to_device(base).transpose(0, 2, 1, 3)
+    shape = (b, s, h, head_dim) if layout == "bshd" else (s, b, h, head_dim)
+    x = rng.standard_normal(shape).astype(np_dtype(dtype))
+    return x, to_device(x)
+
+
+def angle_sources(rng, dtype, rotary_dim, rows):
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim)).astype(np.float32)
+    inv_freq *= rng.uniform(0.5, 1.5, inv_freq.shape).astype(np.float32)
+    theta = (np.arange(rows)[:, None] * inv_freq.astype(np.float64)).astype(np.float32)
+    cos, sin = np.cos(theta), np.sin(theta)
+    out = {"table_f32": {"cos": cos, "sin": sin}, "inv_freq": {"inv_freq": inv_freq},
+           "freqs": {"freqs": theta}}
+    if dtype != "float32":
+        out["table_x"] = {"cos": cos.astype(np_dtype(dtype)), "sin": sin.astype(np_dtype(dtype))}
+    return out
+
+
+def position_modes(rng, b, s, rows):
+    return {
+        "default": {},
+        "offsets": {"offsets": rng.integers(0, rows - s, b).astype(np.int32)},
+        "positions_bs": {"positions": rng.integers(0, rows, (b, s)).astype(np.int64)},
+        "positions_s+int": {"positions": rng.integers(0, rows - 7, s).astype(np.int32),
+                            "offsets": 7},
+    }
+
+
+def dev(kw):
+    return {k: to_device(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+
+
+def run_and_check(x_host, x_dev, dtype, layout, rotary_dim, interleaved, kw_host, mode,
+                  backward):
+    """One call in `mode` (new | out | inplace); checks values, poison, tail bits."""
+    call_layout = "sbhd" if layout == "sbhd" else "bshd"
+    common = dict(layout=call_layout, interleaved=interleaved, backward=backward)
+    expected = oracle(x_host, **kw_host, **common)
+    kw_dev = dev(kw_host)
+    what = f"{mode} backward={backward} {sorted(kw_host)}"
+    if mode == "inplace":
+        import cupy
+
+        work = cupy.empty_like(x_dev)  # keeps the strides of a permuted view
+        work[...] = x_dev
+        assert work.strides == x_dev.strides
+        ptr = work.data.ptr
+        result = cupy_rope.apply_rope(work, **kw_dev, **common, inplace=True)
+        assert result is work and work.data.ptr == ptr
+    elif mode == "out":
+        work = full_nan(x_host.shape, dtype)
+        result = cupy_rope.apply_rope(x_dev, **kw_dev, **common, out=work)
+        assert result is work
+    else:
+        import cupy
+
+        poison = full_nan(x_host.shape, dtype)  # the pool hands this block out next
+        del poison
+        result = cupy_rope.apply_rope(x_dev, **kw_dev, **common)
+        assert isinstance(result, cupy.ndarray) and result.shape == x_host.shape
+    got = to_host(result)
+    assert_close(got[..., :rotary_dim], expected[..., :rotary_dim], dtype, what)
+    # Channels past rotary_dim: bit-identical to the input (copied, or untouched).
+    assert np.array_equal(bits(got[..., rotary_dim:]), bits(x_host[..., rotary_dim:])), what
+    if mode != "inplace":  # the input is never modified
+        assert np.array_equal(bits(to_host(x_dev)), bits(x_host)), what
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd_view"])
+def test_matches_reference(rng, layout, interleaved, dtype, head_dim, fraction):
+    """Every angle source x position mode x output mode x direction."""
+    rotary_dim = int(head_dim * fraction) // 2 * 2
+    x_host, x_dev = make_x(rng, layout, dtype, head_dim)
+    b, s = (x_host.shape[1], x_host.shape[0]) if layout == "sbhd" else x_host.shape[:2]
+    rows = s + EXTRA_ROWS
+    for src_name, src in angle_sources(rng, dtype, rotary_dim, rows).items():
+        for pos_name, pos in position_modes(rng, b, s, rows).items():
+            for mode in ("new", "out", "inplace"):
+                for backward in (False, True):
+                    run_and_check(x_host, x_dev, dtype, layout, rotary_dim, interleaved,
+                                  {**src, **pos}, mode, backward)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("case", ["last_dim_stride2", "misaligned", "table_row_slice",
+                                  "table_transposed", "odd_sizes"])
+def test_general_paths(rng, case, interleaved, dtype):
+    """Strided last axis, unaligned pointers, strided tables: correct general paths."""
+    import cupy
+
+    d, r = 64, 32
+    b, s, h = 3, 9, 5
+    rows = s + EXTRA_ROWS
+    src = angle_sources(rng, dtype, r, rows)["table_f32"]
+    x = rng.standard_normal((b, s, h, d)).astype(np_dtype(dtype))
+    x_dev = to_device(x)
+    if case == "last_dim_stride2":
+        big = rng.standard_normal((b, s, h, 2 * d)).astype(np_dtype(dtype))
+        x, x_dev = big[..., ::2], to_device(big)[..., ::2]
+    elif case == "misaligned":
+        flat = to_device(np.concatenate([np.zeros(1, x.dtype), x.ravel()]))
+        x_dev = flat[1:].reshape(x.shape)
+    elif case == "table_row_slice":  # an HF-style [rows, r] table, first half used
+        src = {k: np.concatenate([v, v], axis=1) for k, v in src.items()}
+        kw_dev = {k: to_device(v)[:, : r // 2] for k, v in src.items()}
+        src = {k: v[:, : r // 2] for k, v in src.items()}
+    elif case == "table_transposed":
+        kw_dev = {k: to_device(np.ascontiguousarray(v.T)).T for k, v in src.items()}
+    elif case == "odd_sizes":
+        d, r = 18, 10
+        x = rng.standard_normal((b, s, 7, d)).astype(np_dtype(dtype))
+        x_dev = to_device(x)
+        src = angle_sources(rng, dtype, r, rows)["table_f32"]
+    if case not in ("table_row_slice", "table_transposed"):
+        kw_dev = dev(src)
+    for mode in ("out", "inplace"):
+        expected = oracle(x, **src, interleaved=interleaved)
+        if mode == "out":
+            out = full_nan(x.shape, dtype)
+            got = to_host(cupy_rope.apply_rope(x_dev, **kw_dev, interleaved=interleaved,
+                                               out=out))
+        else:
+            work = x_dev.copy()
+            if case == "last_dim_stride2":
+                work = cupy.empty((b, s, h, 2 * d), dtype=x_dev.dtype)[..., ::2]
+                work[...] = x_dev
+            elif case == "misaligned":
+                work = cupy.concatenate([x_dev.ravel()[:1], x_dev.ravel()])[1:].reshape(x.shape)
+            cupy_rope.apply_rope(work, **kw_dev, interleaved=interleaved, inplace=True)
+            got = to_host(work)
+        assert_close(got[..., :r], expected[..., :r], dtype, f"{case} {mode}")
+        assert np.array_equal(bits(got[..., r:]), bits(x[..., r:]))
+
+
+@pytest.mark.parametrize("source", ["table", "freqs"])
+def test_positions_outside_table_give_nan_not_oob(rng, source):
+    d = 32
+    x = rng.standard_normal((2, 4, 2, d)).astype(np.float32)
+    theta = (np.arange(8)[:, None] * np.linspace(0.1, 1, d // 4)[None]).astype(np.float32)
+    kw = ({"cos": np.cos(theta), "sin": np.sin(theta)} if source == "table"
+          else {"freqs": theta.astype(np.float32)})
+    positions = np.array([[0, 1, 7, 8], [-1, 3, 1000000, 2]], np.int32)
+    got = to_host(cupy_rope.apply_rope(to_device(x), **dev(kw),
+                                       positions=to_device(positions)))
+    bad = (positions < 0) | (positions >= 8)
+    assert np.isnan(got[bad][..., : d // 2]).all()
+    assert not np.isnan(got[~bad]).any()
+    assert np.array_equal(got[..., d // 2:], x[..., d // 2:])  # tail still copied
+    ok = oracle(x[~bad][None], **kw, positions=positions[~bad][None])
+    assert_close(got[~bad][None], ok, "float32")
+
+
+def test_device_offsets_past_table_give_nan(rng):
+    x = rng.standard_normal((2, 4, 1, 8)).astype(np.float32)
+    theta = (np.arange(8)[:, None] * np.ones(4)).astype(np.float32)
+    got = to_host(cupy_rope.apply_rope(to_device(x), to_device(np.cos(theta)),
+                                       to_device(np.sin(theta)),
+                                       offsets=to_device(np.array([0, 5], np.int32))))
+    assert not np.isnan(got[0]).any()
+    assert np.isnan(got[1, 3:]).all() and not np.isnan(got[1, :3]).any()
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 2, 8), (2, 0, 2, 8), (2, 4, 0, 8)])
+def test_empty_inputs(shape):
+    import cupy
+
+    x = cupy.zeros(shape, cupy.float32)
+    y = cupy_rope.apply_rope(x, inv_freq=cupy.ones(4, cupy.float32))
+    assert y.shape == shape
+
+
+def test_decode_shapes_split_heads(rng):
+    """A few tokens and many heads (decode): heads spread over blockIdx.y."""
+    x = rng.standard_normal((4, 1, 64, 128)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 128, 2) / 128)).astype(np.float32)
+    offsets = rng.integers(0, 5000, 4).astype(np.int64)
+    got = to_host(cupy_rope.apply_rope(to_device(x), inv_freq=to_device(inv_freq),
+                                       offsets=to_device(offsets)))
+    assert_close(got, oracle(x, inv_freq=inv_freq, offsets=offsets), "float32")
+
+
+def test_head_dim_512_and_large_batch(rng):
+    x = rng.standard_normal((64, 33, 2, 512)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 384, 2) / 384)).astype(np.float32)
+    got = to_host(cupy_rope.apply_rope(to_device(x), inv_freq=to_device(inv_freq)))
+    assert_close(got, oracle(x, inv_freq=inv_freq), "float32")
+
+
+def test_mixed_devices_rejected(rng):
+    x = to_device(rng.standard_normal((1, 2, 1, 8)).astype(np.float32))
+    with pytest.raises(ValueError, match=r"inv_freq: expected an array on cuda:0"):
+        cupy_rope.apply_rope(x, inv_freq=np.ones(4, np.float32))
+    with pytest.raises(ValueError, match=r"positions: expected an array on cuda:0"):
+        cupy_rope.apply_rope(x, inv_freq=to_device(np.ones(4, np.float32)),
+                             positions=np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match=r"out: expected an array on cuda:0"):
+        cupy_rope.apply_rope(x, inv_freq=to_device(np.ones(4, np.float32)),
+                             out=np.zeros((1, 2, 1, 8), np.float32))
+
+
+def test_repeated_calls_are_bitwise_identical(rng):
+    x = to_device(rng.standard_normal((2, 64, 8, 128)).astype(np_dtype("bfloat16")))
+    inv_freq = to_device((1.0 / 10000 ** (np.arange(0, 128, 2) / 128)).astype(np.float32))
+    first = bits(to_host(cupy_rope.apply_rope(x, inv_freq=inv_freq)))
+    for _ in range(3):
+        assert np.array_equal(bits(to_host(cupy_rope.apply_rope(x, inv_freq=inv_freq))), first)

@@ -1,0 +1,134 @@
+"""Bad input gets a clear exception naming the argument (CPU, through the shared checks)."""
+
+import re
+
+import numpy as np
+import pytest
+
+import cupy_rope
+
+
+def _x(shape=(2, 4, 3, 8), dtype=np.float32):
+    return np.random.default_rng(0).standard_normal(shape).astype(dtype)
+
+
+def _tables(rows=16, half=4, dtype=np.float32):
+    theta = np.arange(rows)[:, None] * np.linspace(0.1, 1, half)
+    return np.cos(theta).astype(dtype), np.sin(theta).astype(dtype)
+
+
+COS, SIN = _tables()
+INV = np.linspace(0.1, 1, 4).astype(np.float32)
+
+CASES = [
+    # (id, call, exception type, text that must appear)
+    ("odd head_dim", lambda: cupy_rope.apply_rope(_x((2, 4, 3, 7)), inv_freq=INV),
+     ValueError, "x: head_dim"),
+    ("odd rotary_dim", lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, rotary_dim=3),
+     ValueError, "rotary_dim: must be even"),
+    ("rotary_dim vs table", lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, rotary_dim=6),
+     ValueError, "inv_freq: expected 3 frequencies"),
+    ("rotary_dim > head_dim",
+     lambda: cupy_rope.apply_rope(_x(), inv_freq=np.ones(5, np.float32)),
+     ValueError, "rotary_dim: must be <= head_dim (8)"),
+    ("wrong rank", lambda: cupy_rope.apply_rope(_x((4, 3, 8)), inv_freq=INV),
+     ValueError, "x: expected a 4-D array"),
+    ("unknown layout", lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, layout="bhsd"),
+     ValueError, "layout: expected one of"),
+    ("table dtype", lambda: cupy_rope.apply_rope(_x(), *_tables(dtype=np.float16)),
+     TypeError, "cos: expected dtype float32"),
+    ("cos/sin dtypes differ",
+     lambda: cupy_rope.apply_rope(_x(), COS, SIN.astype(np.float64)), TypeError, "sin: expected"),
+    ("x dtype", lambda: cupy_rope.apply_rope(_x(dtype=np.int32), inv_freq=INV),
+     TypeError, "x: expected dtype"),
+    ("cos without sin", lambda: cupy_rope.apply_rope(_x(), COS), ValueError, "sin:"),
+    ("two sources", lambda: cupy_rope.apply_rope(_x(), COS, SIN, inv_freq=INV),
+     ValueError, "exactly one angle source"),
+    ("no source", lambda: cupy_rope.apply_rope(_x()), ValueError, "exactly one angle source"),
+    ("table rank", lambda: cupy_rope.apply_rope(_x(), COS[None], SIN[None]),
+     ValueError, "cos: expected a 2-D table"),
+    ("cos/sin shapes", lambda: cupy_rope.apply_rope(_x(), COS, SIN[:8]),
+     ValueError, "sin: expected the shape of cos"),
+    ("positions shape",
+     lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, positions=np.zeros((4, 2), np.int32)),
+     ValueError, "positions: expected shape [4] or [2, 4]"),
+    ("positions dtype",
+     lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, positions=np.zeros(4, np.float32)),
+     TypeError, "positions: expected dtype int32 or int64"),
+    ("offsets shape",
+     lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, offsets=np.zeros(3, np.int32)),
+     ValueError, "offsets: expected shape [2]"),
+    ("table too short", lambda: cupy_rope.apply_rope(_x((2, 20, 3, 8)), COS, SIN),
+     ValueError, "cos: the table has 16 rows"),
+    ("table too short with offset", lambda: cupy_rope.apply_rope(_x(), COS, SIN, offsets=13),
+     ValueError, "positions reach 16"),
+    ("negative position", lambda: cupy_rope.apply_rope(
+        _x(), COS, SIN, positions=np.array([0, 1, -1, 2])), ValueError, "positions reach -1"),
+    ("position past table", lambda: cupy_rope.apply_rope(
+        _x(), COS, SIN, positions=np.array([[0, 1, 2, 3], [0, 1, 2, 16]])),
+     ValueError, "positions reach 16"),
+    ("out shape", lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, out=_x((2, 4, 3, 10))),
+     ValueError, "out: expected shape [2, 4, 3, 8]"),
+    ("out dtype", lambda: cupy_rope.apply_rope(_x(), inv_freq=INV,
+                                               out=_x(dtype=np.float16)),
+     TypeError, "out: expected dtype float32"),
+    ("out and inplace", lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, out=_x(), inplace=True),
+     ValueError, "out: pass either out= or inplace=True"),
+    ("inplace read-only", lambda: cupy_rope.apply_rope(_readonly(), inv_freq=INV, inplace=True),
+     TypeError, "x: cannot be written in place"),
+    ("inplace broadcast", lambda: cupy_rope.apply_rope(
+        np.broadcast_to(_x((1, 4, 3, 8)), (2, 4, 3, 8)), inv_freq=INV, inplace=True),
+     (ValueError, TypeError), "x:"),
+    ("not an array", lambda: cupy_rope.apply_rope([[1.0, 2.0]], inv_freq=INV),
+     TypeError, "x: expected an array supporting DLPack"),
+    ("rotary_dim type", lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, rotary_dim=4.0),
+     TypeError, "rotary_dim: expected an int"),
+]
+
+
+def _readonly():
+    x = _x()
+    x.flags.writeable = False
+    return x
+
+
+@pytest.mark.parametrize("call,exc,text", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_raises_clear_error(call, exc, text):
+    with pytest.raises(exc, match=re.escape(text)):
+        call()
+
+
+def test_out_partially_overlapping_x_is_rejected():
+    buf = np.zeros(2 * 4 * 3 * 8 + 8, np.float32)
+    x = buf[:192].reshape(2, 4, 3, 8)
+    x[...] = _x()
+    before = buf.copy()
+    out = buf[8:200].reshape(2, 4, 3, 8)
+    with pytest.raises(ValueError, match="out: overlaps x"):
+        cupy_rope.apply_rope(x, inv_freq=INV, out=out)
+    np.testing.assert_array_equal(buf, before)  # nothing written
+
+
+def test_out_overlapping_a_table_is_rejected():
+    buf = np.zeros(16 * 4 + 2 * 4 * 3 * 8, np.float32)
+    cos = buf[:64].reshape(16, 4)
+    out = buf[32:32 + 192].reshape(2, 4, 3, 8)
+    with pytest.raises(ValueError, match="out: overlaps cos"):
+        cupy_rope.apply_rope(_x(), cos, SIN, out=out)
+
+
+def test_out_that_is_x_means_in_place():
+    x = _x()
+    expected = cupy_rope.apply_rope(x, inv_freq=INV)
+    assert cupy_rope.apply_rope(x, inv_freq=INV, out=x) is x
+    np.testing.assert_allclose(x, expected, rtol=1e-6)
+
+
+def test_inputs_unchanged_after_errors():
+    x, cos, sin = _x(), COS.copy(), SIN.copy()
+    saved = [a.copy() for a in (x, cos, sin)]
+    for kw in ({"rotary_dim": 3}, {"layout": "x"}, {"out": _x((1, 1, 1, 2))}):
+        with pytest.raises((ValueError, TypeError)):
+            cupy_rope.apply_rope(x, cos, sin, inplace=True, **kw)
+    for a, b in zip((x, cos, sin), saved):
+        np.testing.assert_array_equal(a, b)
