@@ -233,3 +233,25 @@ def test_repeated_calls_are_bitwise_identical(rng):
     first = bits(to_host(cupy_rope.apply_rope(x, inv_freq=inv_freq)))
     for _ in range(3):
         assert np.array_equal(bits(to_host(cupy_rope.apply_rope(x, inv_freq=inv_freq))), first)
+
+
+#: Documented bound for in-kernel angles (kernels/angles.cuh): the reduced
+#: fp32 angle is within ~4e-7 rad of the exact position * inv_freq.
+ANGLE_ERROR_BOUND = 2e-6
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_long_context_angles_stay_accurate(rng, interleaved):
+    """Positions up to 2^20 (and past): inv_freq angles vs float64."""
+    d = 128
+    x = rng.standard_normal((1, 64, 2, d)).astype(np.float32)
+    inv_freq = (1.0 / 500000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    positions = np.concatenate([rng.integers(0, 2**20, 48), 2**20 - 1 - np.arange(8),
+                                rng.integers(2**20, 2**24, 8)]).astype(np.int64)
+    got = to_host(cupy_rope.apply_rope(to_device(x), inv_freq=to_device(inv_freq),
+                                       positions=to_device(positions),
+                                       interleaved=interleaved))
+    ref = oracle(x, inv_freq=inv_freq, positions=positions, interleaved=interleaved)
+    err = np.abs(got - ref).max() / np.abs(x).max()
+    print(f"max error at positions up to 2^24: {err:.3g} (of max |x|)")
+    assert err <= ANGLE_ERROR_BOUND
