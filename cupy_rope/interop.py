@@ -66,7 +66,8 @@ class Tensor(NamedTuple):
                 lo += (n - 1) * st
             else:
                 hi += (n - 1) * st
-        return (self.ptr + lo * self.itemsize, self.ptr + (hi + 1) * self.itemsize)
+        item = ITEMSIZE[self.dtype]
+        return (self.ptr + lo * item, self.ptr + (hi + 1) * item)
 
     def self_overlapping(self) -> bool:
         """True if two indices can reach one element (e.g. a stride-0 broadcast)."""
@@ -155,6 +156,16 @@ def _torch_dtype_name(dt) -> str:
     return name
 
 
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dt) -> str:
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = dt.name
+    return name
+
+
 def _module_of(x) -> str:
     return type(x).__module__.partition(".")[0]
 
@@ -171,8 +182,9 @@ def describe(x, name: str) -> Tensor:
                       _torch_dtype_name(x.dtype), device, False)
     if mod == "cupy" and hasattr(x, "data") and hasattr(x, "strides"):
         item = x.itemsize
-        return Tensor(x, "cupy", x.data.ptr, x.shape, tuple(s // item for s in x.strides),
-                      x.dtype.name, (CUDA, x.device.id), False)
+        mem = x.data
+        return Tensor(x, "cupy", mem.ptr, x.shape, tuple([s // item for s in x.strides]),
+                      _dtype_name(x.dtype), (CUDA, mem.device_id), False)
     if isinstance(x, np.ndarray):
         item = x.itemsize
         return Tensor(x, "numpy", x.ctypes.data, x.shape, tuple(s // item for s in x.strides),

@@ -58,6 +58,31 @@ def _token_strides(t, call: Call):
     return t.strides[b_axis], t.strides[s_axis], t.strides[2]
 
 
+_spec_cache: dict = {}
+
+
+def _spec_key(call: Call, out) -> tuple:
+    """Everything :func:`choose_spec` looks at: shapes only as 'is it > 1'."""
+    x = call.x
+    return (x.dtype, x.strides, x.ptr & 15, out.strides, out.ptr & 15, call.layout,
+            call.batch > 1, call.seqlen > 1, call.heads > 1, call.head_dim, call.rotary_dim,
+            call.interleaved, call.inplace, call.source,
+            tuple([(t.dtype, t.strides, t.shape[0] > 1, t.ptr & 15) for t in call.tables]),
+            call.positions.dtype if call.positions is not None else None,
+            call.offsets.dtype if call.offsets is not None else None)
+
+
+def cached_spec(call: Call, out) -> Spec:
+    """:func:`choose_spec`, memoized on the properties it depends on."""
+    key = _spec_key(call, out)
+    spec = _spec_cache.get(key)
+    if spec is None:
+        if len(_spec_cache) > 4096:
+            _spec_cache.clear()
+        spec = _spec_cache[key] = choose_spec(call, out)
+    return spec
+
+
 def choose_spec(call: Call, out) -> Spec:
     """The kernel instantiation for ``call`` writing to ``out`` (a Tensor)."""
     x = call.x
@@ -106,6 +131,7 @@ def _sm_count(device_id: int) -> int:
     return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
 
 
+@functools.lru_cache(maxsize=4096)
 def block_shape(items: int, heads: int, tokens: int, unroll: int, device_id: int):
     """(grid, block, heads_per_group) for ``tokens`` x ``heads`` x ``items`` work.
 
@@ -175,7 +201,7 @@ def launch(call: Call, out, stream: int) -> None:
     tokens = call.batch * call.seqlen
     if tokens == 0 or call.heads == 0:
         return
-    spec = choose_spec(call, out)
+    spec = cached_spec(call, out)
     device_id = call.x.device[1]
     kernel = get_kernel(spec, device_id)
     grid, block, heads_per_group = block_shape(spec.rot_items + spec.tail_items,
