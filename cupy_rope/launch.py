@@ -19,6 +19,7 @@ from .validate import LAYOUTS, Call
 MAX_VECTOR_BYTES = 16  # widest single global load/store
 THREADS_PER_BLOCK = 256
 UNROLL = 4  # heads per thread per pass, loads issued together
+MAX_BLOCK_Z = 64  # CUDA's limit on blockDim.z
 BLOCKS_PER_SM = 8  # blocks to aim for before splitting heads over blockIdx.y
 
 # The fields of rope::Params, in order: (name, struct code). Every field is
@@ -29,7 +30,7 @@ PARAM_FIELDS = (
     ("out.data", "Q"), ("out.stride_outer", "q"), ("out.stride_inner", "q"),
     ("out.stride_head", "q"), ("out.stride_dim", "q"),
     ("cos", "Q"), ("sin", "Q"), ("cos_stride_row", "q"), ("sin_stride_row", "q"),
-    ("table_stride_col", "q"), ("max_position", "q"),
+    ("cos_stride_col", "q"), ("sin_stride_col", "q"), ("max_position", "q"),
     ("positions", "Q"), ("offsets", "Q"), ("pos_stride_outer", "q"), ("pos_stride_inner", "q"),
     ("off_stride_outer", "q"), ("off_stride_inner", "q"), ("seq_stride_outer", "q"),
     ("seq_stride_inner", "q"), ("offset", "q"),
@@ -106,6 +107,8 @@ def choose_spec(call: Call, out) -> Spec:
         strided = not x_ok(2)
     else:  # two packets of `pairs` channels, half apart
         pairs = _widest(widths, lambda w: half % w == 0 and x_ok(w))
+        if pairs == 0:  # not even element-aligned: validation rejects this
+            pairs, strided = 1, True
 
     tables = call.tables
     table_strided = strided or any(t.strides[-1] != 1 for t in tables)
@@ -141,7 +144,7 @@ def block_shape(items: int, heads: int, tokens: int, unroll: int, device_id: int
     """
     by = max(1, min(-(-heads // unroll), THREADS_PER_BLOCK // items))
     bz = max(1, THREADS_PER_BLOCK // (items * by))
-    bz = min(bz, max(1, tokens))
+    bz = min(bz, max(1, tokens), MAX_BLOCK_Z)
     gx = -(-tokens // bz)
     head_rows = -(-heads // by)  # head iterations of one thread if one group
     groups = 1
@@ -187,7 +190,7 @@ def pack_params(call: Call, out, heads_per_group: int) -> bytes:
         out.ptr, *o_tok, oh, out.strides[3],
         cos.ptr, sin.ptr,
         cos.strides[0] if cos.ndim == 2 else 0, sin.strides[0] if sin.ndim == 2 else 0,
-        cos.strides[-1], call.max_position,
+        cos.strides[-1], sin.strides[-1], call.max_position,
         call.positions.ptr if call.positions is not None else 0,
         call.offsets.ptr if call.offsets is not None else 0,
         *pos_strides, *off_strides, *seq_strides, call.offset,

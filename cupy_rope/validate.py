@@ -148,6 +148,9 @@ def check_call(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=No
         _same_device(t, xt, n)
 
     # ---- rotary_dim
+    if width < 1:
+        raise ValueError(f"{src_name}: expected at least one frequency in its last axis "
+                         f"(rotary_dim / 2 >= 1), got shape {_fmt_shape(tables[0].shape)}")
     if rotary_dim is None:
         rotary_dim = 2 * width
     else:
@@ -172,8 +175,12 @@ def check_call(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=No
                              f"([s] or [b, s]), got {_fmt_shape(pos_t.shape)}")
     off_t, offset = None, 0
     if offsets is not None:
+        if isinstance(offsets, bool):
+            raise TypeError("offsets: expected an int or an int32/int64 array, got bool")
         if isinstance(offsets, int) or type(offsets).__name__.startswith(("int", "uint")):
             offset = _as_int(offsets, "offsets")
+            if abs(offset) >= 2**62:
+                raise ValueError(f"offsets: expected |offsets| < 2**62, got {offset}")
         else:
             off_t = describe(offsets, "offsets")
             _same_device(off_t, xt, "offsets")
@@ -244,6 +251,12 @@ def check_call(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=No
                     raise ValueError(f"{name}: overlaps {n}; the output must not alias the "
                                      "inputs")
 
+    if on_gpu:
+        for t, n in [(xt, "x"), (out_t, "out"), (pos_t, "positions"), (off_t, "offsets")] + \
+                list(zip(tables, table_names)):
+            if t is not None and t.ptr % t.itemsize:
+                raise ValueError(f"{n}: data pointer {t.ptr:#x} is not aligned to its "
+                                 f"{t.itemsize}-byte elements")
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
     return Call(xt, out_t, inplace, layout, batch, seqlen, heads, head_dim, rotary_dim,

@@ -30,7 +30,8 @@ struct Params {
   const void* sin;
   i64 cos_stride_row;
   i64 sin_stride_row;
-  i64 table_stride_col;  // shared by cos and sin; 1 on the vector path
+  i64 cos_stride_col;  // 1 on the vector path
+  i64 sin_stride_col;
   i64 max_position;      // rows in the tables; larger positions give NaN
 
   // Position of token (outer, inner):

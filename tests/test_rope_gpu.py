@@ -112,7 +112,8 @@ def test_matches_reference(rng, layout, interleaved, dtype, head_dim, fraction):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 @pytest.mark.parametrize("case", ["last_dim_stride2", "misaligned", "table_row_slice",
-                                  "table_transposed", "odd_sizes"])
+                                  "table_transposed", "cos_strided_sin_dense",
+                                  "cos_dense_sin_strided", "odd_sizes"])
 def test_general_paths(rng, case, interleaved, dtype):
     """Strided last axis, unaligned pointers, strided tables: correct general paths."""
     import cupy
@@ -135,12 +136,16 @@ def test_general_paths(rng, case, interleaved, dtype):
         src = {k: v[:, : r // 2] for k, v in src.items()}
     elif case == "table_transposed":
         kw_dev = {k: to_device(np.ascontiguousarray(v.T)).T for k, v in src.items()}
+    elif case in ("cos_strided_sin_dense", "cos_dense_sin_strided"):
+        strided_one = "cos" if case.startswith("cos_strided") else "sin"
+        kw_dev = {k: (to_device(np.repeat(v, 2, axis=1))[:, ::2] if k == strided_one
+                      else to_device(v)) for k, v in src.items()}
     elif case == "odd_sizes":
         d, r = 18, 10
         x = rng.standard_normal((b, s, 7, d)).astype(np_dtype(dtype))
         x_dev = to_device(x)
         src = angle_sources(rng, dtype, r, rows)["table_f32"]
-    if case not in ("table_row_slice", "table_transposed"):
+    if "table" not in case and "cos" not in case:
         kw_dev = dev(src)
     for mode in ("out", "inplace"):
         expected = oracle(x, **src, interleaved=interleaved)
@@ -255,3 +260,16 @@ def test_long_context_angles_stay_accurate(rng, interleaved):
     err = np.abs(got - ref).max() / np.abs(x).max()
     print(f"max error at positions up to 2^24: {err:.3g} (of max |x|)")
     assert err <= ANGLE_ERROR_BOUND
+
+
+@pytest.mark.parametrize("head_dim,heads", [(2, 1), (4, 1), (8, 1), (16, 3), (8, 200)])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_tiny_head_dims(rng, head_dim, heads, interleaved):
+    """Few threads per token: many tokens per block (blockDim.z stays <= 64)."""
+    x = rng.standard_normal((3, 300, heads, head_dim)).astype(np_dtype("bfloat16"))
+    inv_freq = rng.uniform(0.01, 1, head_dim // 2).astype(np.float32)
+    out = full_nan(x.shape, "bfloat16")
+    cupy_rope.apply_rope(to_device(x), inv_freq=to_device(inv_freq), interleaved=interleaved,
+                         out=out)
+    assert_close(to_host(out), oracle(x, inv_freq=inv_freq, interleaved=interleaved),
+                 "bfloat16")

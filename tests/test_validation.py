@@ -81,6 +81,12 @@ CASES = [
      (ValueError, TypeError), "x:"),
     ("not an array", lambda: cupy_rope.apply_rope([[1.0, 2.0]], inv_freq=INV),
      TypeError, "x: expected an array supporting DLPack"),
+    ("no frequencies", lambda: cupy_rope.apply_rope(_x(), inv_freq=np.zeros(0, np.float32)),
+     ValueError, "inv_freq: expected at least one frequency"),
+    ("offsets bool", lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, offsets=True),
+     TypeError, "offsets: expected an int or an int32/int64 array, got bool"),
+    ("offsets huge", lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, offsets=2**63),
+     ValueError, "offsets: expected |offsets| < 2**62"),
     ("rotary_dim type", lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, rotary_dim=4.0),
      TypeError, "rotary_dim: expected an int"),
 ]
