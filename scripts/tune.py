@@ -1,6 +1,5 @@
 """Sweep launch constants (UNROLL, THREADS_PER_BLOCK) on the bench workloads."""
 import itertools
-import sys
 
 import cupy_rope.launch as L
 from cupy_rope import bench
