@@ -106,9 +106,7 @@ def choose_spec(call: Call, out) -> Spec:
                                lambda w: half % (w // 2) == 0 and x_ok(w)) // 2)
         strided = not x_ok(2)
     else:  # two packets of `pairs` channels, half apart
-        pairs = _widest(widths, lambda w: half % w == 0 and x_ok(w))
-        if pairs == 0:  # not even element-aligned: validation rejects this
-            pairs, strided = 1, True
+        pairs = _widest(widths, lambda w: half % w == 0 and x_ok(w))  # 1 always fits
 
     tables = call.tables
     table_strided = strided or any(t.strides[-1] != 1 for t in tables)

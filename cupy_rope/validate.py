@@ -65,10 +65,9 @@ def _check_dtype(t: Tensor, name: str, allowed) -> None:
         raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {t.dtype}")
 
 
-def _overlaps(a: Tensor, b: Tensor) -> bool:
-    a0, a1 = a.span()
-    b0, b1 = b.span()
-    return a0 < b1 and b0 < a1
+def _overlaps(a_span: tuple, b_span: tuple) -> bool:
+    """Do two [first byte, end) spans (Tensor.span()) share a byte?"""
+    return a_span[0] < b_span[1] and b_span[0] < a_span[1]
 
 
 def check_call(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None,
@@ -228,9 +227,11 @@ def check_call(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=No
         _same_device(out_t, xt, "out")
         if same_view:
             inplace, out_t = True, None
-        elif _overlaps(out_t, xt):
+        elif _overlaps(out_t.span(), xt.span()):
             raise ValueError("out: overlaps x without being the same view; pass a separate "
                              "array or rotate in place (inplace=True)")
+    read_only = [(t, n) for t, n in list(zip(tables, table_names)) +
+                 [(pos_t, "positions"), (off_t, "offsets")] if t is not None]
     target = xt if inplace else out_t
     if target is not None:
         name = "x" if inplace else "out"
@@ -241,20 +242,14 @@ def check_call(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=No
         if target.self_overlapping():
             raise ValueError(f"{name}: has elements that share memory (stride 0 or overlapping "
                              "strides); cannot be written")
-        others = list(zip(tables, table_names))
-        others += [(pos_t, "positions"), (off_t, "offsets")]
-        t0, t1 = target.span()
-        for t, n in others:
-            if t is not None:
-                a0, a1 = t.span()
-                if a0 < t1 and t0 < a1:
-                    raise ValueError(f"{name}: overlaps {n}; the output must not alias the "
-                                     "inputs")
+        target_span = target.span()
+        for t, n in read_only:
+            if _overlaps(t.span(), target_span):
+                raise ValueError(f"{name}: overlaps {n}; the output must not alias the inputs")
 
     if on_gpu:
-        for t, n in [(xt, "x"), (out_t, "out"), (pos_t, "positions"), (off_t, "offsets")] + \
-                list(zip(tables, table_names)):
-            if t is not None and t.ptr % t.itemsize:
+        for t, n in [(xt, "x")] + ([(out_t, "out")] if out_t is not None else []) + read_only:
+            if t.ptr % t.itemsize:
                 raise ValueError(f"{n}: data pointer {t.ptr:#x} is not aligned to its "
                                  f"{t.itemsize}-byte elements")
     if not isinstance(interleaved, bool):

@@ -51,10 +51,10 @@ __device__ __forceinline__ void load_row(const void* base, i64 offset, i64 col_s
 template <int SOURCE, typename AngleT, int PAIRS, bool TABLE_STRIDED>
 __device__ __forceinline__ void angles(const Params& p, i64 pos, int f0,
                                        float (&c)[PAIRS], float (&s)[PAIRS]) {
-  const i64 col = static_cast<i64>(f0) * p.cos_stride_col;
+  const i64 cos_col = static_cast<i64>(f0) * p.cos_stride_col;
   if constexpr (SOURCE == INV_FREQ) {
     float inv_freq[PAIRS];
-    load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, col, p.cos_stride_col, inv_freq);
+    load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, cos_col, p.cos_stride_col, inv_freq);
     const float fpos = static_cast<float>(pos);
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
@@ -69,14 +69,14 @@ __device__ __forceinline__ void angles(const Params& p, i64 pos, int f0,
       return;
     }
     if constexpr (SOURCE == TABLE) {
-      load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, pos * p.cos_stride_row + col,
+      load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, pos * p.cos_stride_row + cos_col,
                                              p.cos_stride_col, c);
       load_row<AngleT, PAIRS, TABLE_STRIDED>(
           p.sin, pos * p.sin_stride_row + static_cast<i64>(f0) * p.sin_stride_col,
           p.sin_stride_col, s);
     } else {
       float theta[PAIRS];
-      load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, pos * p.cos_stride_row + col,
+      load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, pos * p.cos_stride_row + cos_col,
                                              p.cos_stride_col, theta);
 #pragma unroll
       for (int i = 0; i < PAIRS; ++i) sincosf(theta[i], &s[i], &c[i]);
