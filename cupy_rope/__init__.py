@@ -4,8 +4,10 @@ CUDA C++ templates compiled at run time with NVRTC (through CuPy), exchanged
 with PyTorch, JAX and CuPy over DLPack without copies.
 """
 
-from .api import apply_rope, apply_rope_backward
+from .api import (apply_rope, apply_rope_backward, apply_rope_qk, apply_rope_qkv,
+                  apply_rope_qkv_backward)
 from .specialize import CompileError
 
-__all__ = ["apply_rope", "apply_rope_backward", "CompileError"]
+__all__ = ["apply_rope", "apply_rope_backward", "apply_rope_qk", "apply_rope_qkv",
+           "apply_rope_qkv_backward", "CompileError"]
 __version__ = "0.1.0"

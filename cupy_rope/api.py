@@ -1,72 +1,345 @@
-"""Public functions."""
+"""Public functions.
+
+Every function takes the same angle and position arguments (docs/api.md):
+
+- One angle source, indexed by frequency f in [0, r/2) (r = rotary_dim):
+  ``cos``, ``sin``: [max_position, r/2] tables (float32 or the input's dtype);
+  ``cos_sin_cache``: [max_position, r] with cos in the first half and sin in
+  the second (vLLM / FlashInfer); ``inv_freq``: [r/2] float32, the angle
+  position * inv_freq[f] computed in the kernel (no table traffic);
+  ``freqs``: [max_position, r/2] float32 angles.
+- Positions: by default the sequence index (bshd/sbhd: the s axis; thd: the
+  index inside each ``cu_seqlens`` sequence, or the token index without
+  cu_seqlens); ``positions`` replaces it ([s] or [b, s]; thd: [t]);
+  ``offsets`` (an int, or [b] / [n_seqs] int32/int64) is added. With
+  ``cp_size`` > 1 implied positions are those of context-parallel rank
+  ``cp_rank`` (see :func:`apply_rope`).
+- ``layout``: "bshd" [b, s, h, d], "sbhd" [s, b, h, d] or "thd" [t, h, d];
+  any strides, no copies. Heads and channels may be flattened ([.., h * d])
+  when ``head_dim`` is given.
+- ``interleaved``: False for NeoX / rotate-half pairs (f, f + r/2), True for
+  GPT-J pairs (2f, 2f + 1). ``backward=True`` rotates by -theta: the gradient
+  of the forward rotation.
+
+Inputs are torch, JAX, CuPy or any DLPack arrays on a CUDA device; results
+come back in the caller's framework (torch -> torch, JAX -> JAX, others ->
+CuPy), computed on the caller's current stream without any sync. NumPy
+inputs run the float64 NumPy reference. A call whose signature (shapes,
+strides, dtypes, pointer alignment, options) was seen before reuses its
+launch plan: only the data pointers are read and the kernel is launched.
+"""
 
 from __future__ import annotations
 
+import os
+import threading
+
+import numpy as np
+
 from . import interop, launch, reference
+from . import validate
 from .validate import check_call
 
+_plans: dict = {}
+_plans_lock = threading.Lock()
+_MAX_PLANS = 4096
+#: Check device-resident cu_seqlens values too (costs a device sync per call).
+CHECK_DEVICE_VALUES = os.environ.get("CUPY_ROPE_CHECK_DEVICE_VALUES", "") not in ("", "0")
 
-def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None,
-               offsets=None, layout="bshd", interleaved=False, rotary_dim=None,
-               inplace=False, out=None, backward=False):
+
+class _Prepared:
+    """A launch plan plus what the call around it needs: output allocation,
+    per-call value checks, and how to return the result."""
+
+    __slots__ = ("plan", "allocs", "out_sigs", "disjoint", "offset_range", "result")
+
+    def __init__(self, plan, allocs, out_sigs, disjoint, offset_range, result):
+        self.plan, self.allocs, self.out_sigs = plan, allocs, out_sigs
+        self.disjoint, self.offset_range, self.result = disjoint, offset_range, result
+
+    def run(self, arrays, ptrs, offset):
+        """Launch, or return NotImplemented if the slow path must decide."""
+        r = self.offset_range
+        if not (r[0] <= offset < r[1]):
+            return NotImplemented
+        if self.disjoint and not launch.check_disjoint(self.disjoint, ptrs):
+            return NotImplemented
+        outs = []
+        if self.allocs:
+            for alloc, want in zip(self.allocs, self.out_sigs):
+                o = alloc(arrays)
+                sig = []
+                if not _sign(o, sig, ptrs) or sig[0] != want:
+                    return NotImplemented
+                outs.append(o)
+        self.plan.launch(ptrs, offset)
+        return self.result(arrays, outs)
+
+
+_SIGNERS = interop.SIGNERS
+
+
+def _sign(a, key, ptrs) -> bool:
+    """Append a device array's signature to ``key`` and its pointer to ``ptrs``."""
+    f = _SIGNERS.get(type(a))
+    if f is None:
+        f = interop.signer(type(a))
+    return f(a, key, ptrs)
+
+
+def _sig_of(a):
+    key: list = []
+    _sign(a, key, [])
+    return key[0] if key else None
+
+
+def _execute(op, arrays, options, offsets, make_kwargs):
+    """The hot path: look the call's signature up, else validate and plan.
+
+    ``arrays`` are the op's array arguments (None where absent); the key is
+    the op, its options and every array's signature.
+    """
+    if offsets is None:
+        offset = 0
+    elif type(offsets) is int:
+        offset, offsets_array = offsets, None
+    else:
+        offset, offsets_array = _split_offsets(offsets)
+        arrays = arrays + (offsets_array,)
+    key = [op, options]
+    ptrs: list = []
+    signers = _SIGNERS
+    for a in arrays:
+        if a is None:
+            key.append(None)
+            ptrs.append(0)
+            continue
+        f = signers.get(type(a))
+        if f is None:
+            f = interop.signer(type(a))
+        if not f(a, key, ptrs):
+            key = None
+            break
+    if key is not None:
+        key = tuple(key)
+        try:
+            prepared = _plans.get(key)
+        except TypeError:  # an unhashable option: validation will say what is wrong
+            prepared = key = None
+        if prepared is not None:
+            result = prepared.run(arrays, ptrs, offset)
+            if result is not NotImplemented:
+                return result
+    return _slow(op, arrays, make_kwargs(), offsets, key)
+
+
+def _split_offsets(offsets):
+    """(scalar offset, offsets array or other object for the signature)."""
+    if isinstance(offsets, np.integer):
+        return int(offsets), None
+    return 0, offsets  # an array, or a bad value (bool, float) that validation refuses
+
+
+def _slow(op, arrays, kwargs, offsets, key):
+    """Validate everything, allocate outputs, plan, launch; cache the plan."""
+    call = check_call(offsets=offsets, **kwargs)  # raises on bad input
+    if not call.on_gpu:
+        allocated, out_kw = _allocate(op, call)
+        if allocated:
+            call = check_call(offsets=offsets, **{**kwargs, **out_kw})
+        _numpy_into(call)
+        return _RESULTS[op](arrays, allocated)
+    cacheable = key is not None
+    uploaded = []
+    cu = call.cu_seqlens
+    if cu is not None and not cu.on_gpu:
+        # Host cu_seqlens (their values were checked): uploaded for this call.
+        uploaded = [interop.to_device(cu, call.device[1])]
+        kwargs = {**kwargs, "cu_seqlens": uploaded[0]}
+        cacheable = False
+    elif cu is not None and CHECK_DEVICE_VALUES:
+        host = interop.describe(interop.to_host(cu.obj), "cu_seqlens")
+        validate.check_cu_seqlens(host, call.tokens, call.cp_size)
+        cacheable = False
+    allocated, out_kw = _allocate(op, call)
+    if allocated or uploaded:
+        kwargs = {**kwargs, **out_kw}
+        call = check_call(offsets=offsets, **kwargs)
+    n_user = len(arrays)
+    arrays = list(arrays) + allocated + uploaded
+    disjoint = launch.disjoint_pairs(call, arrays, set(range(n_user, len(arrays))))
+    plan = launch.Plan(call, arrays)
+    offset_range = (-(2**62) + 1, 2**62)  # what validation accepts
+    if call.source != "inv_freq" and call.pos_mode == "implied" and call.offsets is None:
+        # Implied positions [0, seqlen * cp_size) + offset must stay inside the table.
+        offset_range = (0, call.max_position - (call.seqlen * call.cp_size - 1))
+    if cacheable:
+        prepared = _Prepared(plan, _fast_allocs(op, call, arrays, len(allocated)),
+                             [_sig_of(o) for o in allocated], disjoint,
+                             offset_range, _RESULTS[op])
+        with _plans_lock:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = prepared
+    plan.launch([interop.data_ptr(a) if a is not None else 0 for a in arrays], call.offset)
+    return _RESULTS[op](arrays[:n_user], allocated)
+
+
+# ------------------------------------------------------------- per op --
+# Each op: which outputs the library allocates, how they are made again on
+# later calls of the same signature, and what the call returns.
+def _allocate(op, call):
+    """Outputs to allocate for this call (list) and the kwargs naming them."""
+    slabs = call.slabs
+    if slabs[0].out is not None:
+        return [], {}
+    if op in ("rope", "qk"):
+        outs = [interop.empty_like(s.x) for s in slabs]
+        return outs, ({"out": outs[0]} if op == "rope" else {"out": outs[0], "out_k": outs[1]})
+    tok = tuple(slabs[0].x.shape[:1 if call.layout == "thd" else 2])
+    if op == "qkv":
+        outs = [interop.empty(slabs[0].x, tok + (s.heads, call.head_dim)) for s in slabs]
+        return outs, {"out": tuple(outs)}
+    # qkv_backward: one packed gradient [.., (hq + 2 hk) * d]
+    packed = interop.empty(slabs[0].x, tok + (call.heads * call.head_dim,))
+    return [packed], {"out": packed}
+
+
+def _fast_allocs(op, call, arrays, n_alloc):
+    """Functions (arrays -> new output) repeating _allocate on a cached plan."""
+    if not n_alloc:
+        return []
+    slabs = call.slabs
+
+    def index_of(t):
+        return next(j for j, a in enumerate(arrays) if a is t.obj)
+
+    if op in ("rope", "qk"):
+        return [lambda arrays, i=index_of(s.x): interop.fast_empty_like(arrays[i])
+                for s in slabs]
+    x = slabs[0].x
+    tok = tuple(x.shape[:1 if call.layout == "thd" else 2])
+    if op == "qkv":
+        shapes = [tok + (s.heads, call.head_dim) for s in slabs]
+    else:
+        shapes = [tok + (call.heads * call.head_dim,)]
+    i = index_of(x)
+    return [lambda arrays, shape=shape: interop.empty(interop.describe(arrays[i], "x"), shape)
+            for shape in shapes]
+
+
+def _result_rope(arrays, outs):
+    x, out = arrays[0], arrays[_OUT_INDEX["rope"]]
+    if outs:
+        return _wrap(x, outs[0])
+    return out if out is not None else x
+
+
+def _result_qk(arrays, outs):
+    q, k = arrays[0], arrays[1]
+    if outs:
+        return _wrap(q, outs[0]), _wrap(q, outs[1])
+    i = _OUT_INDEX["qk"]
+    if arrays[i] is not None:
+        return arrays[i], arrays[i + 1]
+    return q, k
+
+
+def _result_qkv(arrays, outs):
+    if outs:
+        return tuple(_wrap(arrays[0], o) for o in outs)
+    i = _OUT_INDEX["qkv"]
+    return tuple(arrays[i:i + 3])
+
+
+def _result_qkv_backward(arrays, outs):
+    if outs:
+        return _wrap(arrays[0], outs[0])
+    return arrays[_OUT_INDEX["qkv_backward"]]
+
+
+def _wrap(like, arr):
+    if type(like) is type(arr):
+        return arr
+    return interop.wrap_result(interop.describe(like, "x"), arr)
+
+
+_RESULTS = {"rope": _result_rope, "qk": _result_qk, "qkv": _result_qkv,
+            "qkv_backward": _result_qkv_backward}
+# Where the outputs sit in each op's array tuple: inputs, the seven angle and
+# position arrays (cos, sin, inv_freq, freqs, cos_sin_cache, positions,
+# cu_seqlens), the outputs, then the offsets array.
+_OUT_INDEX = {"rope": 8, "qk": 9, "qkv": 8, "qkv_backward": 10}
+
+
+def _numpy_into(call):
+    """The NumPy reference path: write every slab's result into its output."""
+    for slab, y in zip(call.slabs, reference.rope_slabs(call)):
+        dst = reference.strided_view(slab.out, slab.out_offset, slab.out_strides, call.batch,
+                                     call.seqlen, slab.heads, slab.heads_per_group,
+                                     call.head_dim)
+        y = y.reshape(dst.shape)
+        if call.inplace and call.rotary_dim < call.head_dim:
+            # In place, channels past rotary_dim are not touched at all.
+            dst[..., :call.rotary_dim] = y[..., :call.rotary_dim].astype(dst.dtype)
+        else:
+            dst[...] = y.astype(dst.dtype)
+
+
+# ------------------------------------------------------------- public --
+def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cache=None,
+               positions=None, offsets=None, layout="bshd", interleaved=False, rotary_dim=None,
+               inplace=False, out=None, backward=False, cu_seqlens=None, cp_size=1, cp_rank=0,
+               head_dim=None):
     """Apply rotary position embedding to ``x``.
 
-    Shapes (b = batch, s = sequence, h = heads, d = head_dim, r = rotary_dim):
+    Shapes (b = batch, s = sequence, t = packed tokens, h = heads,
+    d = head_dim, r = rotary_dim):
 
-    - ``x``: [b, s, h, d] (``layout="bshd"``) or [s, b, h, d] (``"sbhd"``), any
-      strides (e.g. ``q.transpose(1, 2)`` of a [b, h, s, d] tensor) with no copy.
-      float32, float16 or bfloat16 on a CUDA device (torch, JAX, CuPy or any
-      DLPack producer); a NumPy array runs the float64 NumPy reference instead.
-    - One angle source, indexed by f in [0, r/2):
-        ``cos``, ``sin``: [max_position, r/2] tables (float32 or x's dtype);
-        ``inv_freq``: [r/2] float32, theta = position * inv_freq[f] computed in
-        the kernel (fp32 product, accurate sincosf; no table traffic);
-        ``freqs``: [max_position, r/2] float32 angles theta.
-    - Positions: by default the sequence index s; ``positions`` [s] or [b, s]
-      (int32/int64) replaces it; ``offsets`` (an int, or [b] int32/int64, e.g.
-      KV-cache lengths when decoding) is added to it.
+    - ``x``: [b, s, h, d] (``layout="bshd"``), [s, b, h, d] (``"sbhd"``) or
+      [t, h, d] (``"thd"``), any strides (e.g. ``q.transpose(1, 2)`` of a
+      [b, h, s, d] tensor) with no copy; or with heads flattened
+      ([.., h * d]) when ``head_dim`` is given. float32, float16 or bfloat16.
+    - Angle source: ``cos`` and ``sin`` [max_position, r/2], or
+      ``cos_sin_cache`` [max_position, r], or ``inv_freq`` [r/2] (angles
+      computed in the kernel: fp32 product reduced exactly, accurate sincos),
+      or ``freqs`` [max_position, r/2] angles.
+    - Positions: the sequence index by default; ``positions`` ([s] or [b, s];
+      thd: [t]) replaces it; ``offsets`` (int, or [b]; thd: [n_seqs]) is added.
+    - ``cu_seqlens`` (thd): int32 [n_seqs + 1] cumulative lengths; positions
+      restart at 0 in every sequence; empty sequences are fine.
+    - Context parallelism (``cp_size`` > 1, rank ``cp_rank``), for implied
+      positions: every full sequence of length L is cut into 2 * cp_size
+      chunks of c = L / (2 * cp_size) tokens and this rank holds chunks
+      ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` back to back, so local
+      index i < c has position cp_rank * c + i and i >= c has position
+      (2 * cp_size - 1 - cp_rank) * c + (i - c). bshd/sbhd: x holds the
+      rank's 2c tokens of every sequence. thd: ``cu_seqlens`` describe the
+      full sequences (each length divisible by 2 * cp_size) and x holds
+      cu_seqlens[-1] / cp_size tokens; sequence s starts at local token
+      cu_seqlens[s] / cp_size (as in Megatron / TransformerEngine).
     - ``rotary_dim``: defaults to 2 * (width of the angle source); channels
-      [r, d) are not rotated: copied bit-exact when writing a new array, not
-      touched at all in place.
+      [r, d) are copied bit-exact when writing a new array and not touched
+      at all in place.
     - ``interleaved=False``: NeoX / rotate-half pairs (f, f + r/2);
-      ``interleaved=True``: GPT-J pairs (2f, 2f + 1).
-    - Each pair (a, b) becomes (a cos - b sin, b cos + a sin);
-      ``backward=True`` applies the transpose (rotation by -theta), i.e. the
-      gradient with respect to x given the gradient of the output.
+      ``interleaved=True``: GPT-J pairs (2f, 2f + 1). Each pair (a, b)
+      becomes (a cos - b sin, b cos + a sin); ``backward=True`` applies the
+      transpose (rotation by -theta), the gradient with respect to x.
 
-    Output: a new array of x's framework (torch -> torch, JAX -> JAX, CuPy or
-    other DLPack -> CuPy), or ``out`` when given, or ``x`` itself with
-    ``inplace=True``. The kernel is enqueued on the caller's current stream
-    (torch's for torch tensors, CuPy's otherwise); nothing synchronizes.
-
-    A position outside a table that the host cannot see (device ``positions``
-    or ``offsets``) yields NaN in the rotated channels, never an
-    out-of-bounds read; positions known on the host are checked up front.
+    Returns a new array of x's framework, or ``out`` when given, or ``x``
+    itself with ``inplace=True``. A position outside a table that the host
+    cannot see (device positions, offsets or cu_seqlens) yields NaN in the
+    rotated channels, never an out-of-bounds read; host-visible positions
+    and cu_seqlens are checked up front.
     """
-    call = check_call(x, cos, sin, inv_freq=inv_freq, freqs=freqs, positions=positions,
-                      offsets=offsets, layout=layout, interleaved=interleaved,
-                      rotary_dim=rotary_dim, inplace=inplace, out=out, backward=backward)
-    if not call.x.on_gpu:
-        return reference.apply_numpy(call)
-    if call.inplace:
-        result, out_t = x, call.x
-    elif call.out is not None:
-        result, out_t = out, call.out
-    else:
-        result = interop.empty_like(call.x)
-        out_t = interop.describe(result, "out")
-    stream = interop.stream_for(call.x)
-    device_id = call.x.device[1]
-    import cupy
-
-    if cupy.cuda.runtime.getDevice() == device_id:
-        launch.launch(call, out_t, stream)
-    else:
-        with cupy.cuda.Device(device_id):
-            launch.launch(call, out_t, stream)
-    if result is out or call.inplace:
-        return result
-    return interop.wrap_result(call.x, result)
+    return _execute(
+        "rope", (x, cos, sin, inv_freq, freqs, cos_sin_cache, positions, cu_seqlens, out),
+        (layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim),
+        offsets,
+        lambda: dict(x=x, cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs, cos_sin_cache=cos_sin_cache,
+             positions=positions, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
+             inplace=inplace, out=out, backward=backward, cu_seqlens=cu_seqlens,
+             cp_size=cp_size, cp_rank=cp_rank, head_dim=head_dim))
 
 
 def apply_rope_backward(grad, cos=None, sin=None, **kwargs):
@@ -77,3 +350,108 @@ def apply_rope_backward(grad, cos=None, sin=None, **kwargs):
     """
     kwargs["backward"] = True
     return apply_rope(grad, cos, sin, **kwargs)
+
+
+def apply_rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cache=None,
+                  positions=None, offsets=None, layout="bshd", interleaved=False,
+                  rotary_dim=None, inplace=False, out_q=None, out_k=None, backward=False,
+                  cu_seqlens=None, cp_size=1, cp_rank=0, head_dim=None):
+    """Rotate q [.., hq, d] and k [.., hk, d] in one launch.
+
+    q and k share the layout, token axes, head_dim, dtype and the angle and
+    position arguments of :func:`apply_rope`; their head counts are free
+    (GQA, MQA: hq % hk need not be 0). Token-major [t, h, d] arrays and
+    flattened [t, h * d] views (``layout="thd"``, ``head_dim=d``) with
+    ``positions`` [t] into a cos/sin cache are the vLLM / FlashInfer form.
+    cos/sin are computed once per token for all heads of both.
+
+    Returns (q_rot, k_rot): new arrays, or (out_q, out_k), or (q, k) with
+    ``inplace=True``.
+    """
+    return _execute(
+        "qk", (q, k, cos, sin, inv_freq, freqs, cos_sin_cache, positions, cu_seqlens, out_q,
+               out_k),
+        (layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim),
+        offsets,
+        lambda: dict(x=q, k=k, cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs,
+             cos_sin_cache=cos_sin_cache, positions=positions, layout=layout,
+             interleaved=interleaved, rotary_dim=rotary_dim, inplace=inplace,
+             out=out_q, out_k=out_k, backward=backward, cu_seqlens=cu_seqlens,
+             cp_size=cp_size, cp_rank=cp_rank, head_dim=head_dim))
+
+
+def apply_rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=None,
+                   packing="concat", inv_freq=None, freqs=None, cos_sin_cache=None,
+                   positions=None, offsets=None, layout="bshd", interleaved=False,
+                   rotary_dim=None, out_q=None, out_k=None, out_v=None, backward=False,
+                   cu_seqlens=None, cp_size=1, cp_rank=0):
+    """Split a packed QKV projection into rotated q, rotated k and v, in one launch.
+
+    ``qkv``: the token axes of ``layout`` ([b, s], [s, b] or [t]) followed by
+    [(hq + 2 hk) * d] or [hq + 2 hk, d] (hq = ``num_q_heads``, hk =
+    ``num_kv_heads``; d = ``head_dim``, which the flat form can infer).
+    Supported packings of the head axis:
+
+    - ``"concat"``: all q heads, then all k heads, then all v heads (vLLM,
+      Hugging Face fused qkv_proj).
+    - ``"grouped"``: hk groups, each (hq/hk q heads, 1 k head, 1 v head)
+      (Megatron-LM / TransformerEngine); for hq == hk this is
+      [.., h, 3 * d] with q, k, v side by side per head.
+
+    Returns new q [.., hq, d], k [.., hk, d] and v [.., hk, d] (or out_q,
+    out_k, out_v), each contiguous. q and k are rotated as by
+    :func:`apply_rope` (same angle and position arguments); v is copied.
+    """
+    outs = (out_q, out_k, out_v)
+    given = [o is not None for o in outs]
+    if any(given) and not all(given):
+        raise ValueError("out_q, out_k, out_v: pass all three outputs, or none")
+    return _execute(
+        "qkv", (qkv, cos, sin, inv_freq, freqs, cos_sin_cache, positions, cu_seqlens) + outs,
+        (layout, interleaved, rotary_dim, backward, cp_size, cp_rank, head_dim, num_q_heads,
+         num_kv_heads, packing),
+        offsets,
+        lambda: dict(qkv=qkv, cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs,
+             cos_sin_cache=cos_sin_cache, positions=positions, layout=layout,
+             interleaved=interleaved, rotary_dim=rotary_dim, backward=backward,
+             out=outs if all(given) else None, cu_seqlens=cu_seqlens, cp_size=cp_size,
+             cp_rank=cp_rank, head_dim=head_dim, num_q_heads=num_q_heads,
+             num_kv_heads=num_kv_heads, packing=packing))
+
+
+def apply_rope_qkv_backward(dq, dk, dv, cos=None, sin=None, *, packing="concat", inv_freq=None,
+                            freqs=None, cos_sin_cache=None, positions=None, offsets=None,
+                            layout="bshd", interleaved=False, rotary_dim=None, out=None,
+                            cu_seqlens=None, cp_size=1, cp_rank=0, head_dim=None):
+    """Gradient of :func:`apply_rope_qkv` with respect to ``qkv``, in one launch.
+
+    Takes dq [.., hq, d], dk and dv [.., hk, d] (the gradients of its three
+    outputs) and the forward's angle, position, layout and ``packing``
+    arguments; rotates dq and dk by -theta and packs them with dv. Returns
+    ``out`` when given (shaped like the forward's ``qkv``), else a new
+    array [.., (hq + 2 hk) * d].
+    """
+    return _execute(
+        "qkv_backward",
+        (dq, dk, dv, cos, sin, inv_freq, freqs, cos_sin_cache, positions, cu_seqlens, out),
+        (layout, interleaved, rotary_dim, cp_size, cp_rank, head_dim, packing),
+        offsets,
+        lambda: dict(qkv_grads=(dq, dk, dv), cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs,
+             cos_sin_cache=cos_sin_cache, positions=positions, layout=layout,
+             interleaved=interleaved, rotary_dim=rotary_dim, backward=True, out=out,
+             cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, head_dim=head_dim,
+             num_q_heads=_heads(dq, layout, head_dim), num_kv_heads=_heads(dk, layout, head_dim),
+             packing=packing))
+
+
+def _heads(a, layout, head_dim):
+    """Head count of a gradient array (for the packed geometry)."""
+    shape = getattr(a, "shape", None)
+    if shape is None:
+        return None
+    n_tok = 1 if layout == "thd" else 2
+    if len(shape) == n_tok + 2:
+        return shape[-2]
+    if len(shape) == n_tok + 1 and head_dim:
+        return shape[-1] // head_dim
+    return None

@@ -71,6 +71,8 @@ class Tensor(NamedTuple):
 
     def self_overlapping(self) -> bool:
         """True if two indices can reach one element (e.g. a stride-0 broadcast)."""
+        if 0 in self.shape:
+            return False
         dims = sorted((abs(st), n) for n, st in zip(self.shape, self.strides) if n > 1)
         reach = 1  # elements covered by the dims seen so far
         for st, n in dims:
@@ -213,15 +215,85 @@ def cupy_stream() -> int:
     return cupy.cuda.get_current_stream().ptr
 
 
+def torch_stream_getter():
+    """A function device_id -> torch's current stream there, as a raw handle."""
+    torch = sys.modules["torch"]
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw or (lambda d: torch.cuda.current_stream(d).cuda_stream)
+
+
+def torch_stream(device_id: int) -> int:
+    """torch's current stream on ``device_id``, as a raw handle."""
+    return torch_stream_getter()(device_id)
+
+
 def stream_for(t: Tensor) -> int:
     """The stream the caller's framework would run on now, as a raw handle."""
     if t.kind == "torch":
-        torch = sys.modules["torch"]
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw is not None:
-            return raw(t.device[1])
-        return torch.cuda.current_stream(t.device[1]).cuda_stream
+        return torch_stream(t.device[1])
     return cupy_stream()
+
+
+def current_device() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+# ------------------------------------------------------------- fast path ---
+# A signer appends a device array's signature (everything a launch plan
+# depends on: dtype, shape, strides, device, pointer alignment; the dtype
+# object also tells the framework) to a key list and its data pointer to a
+# pointer list, reading torch/CuPy attributes directly. It returns False
+# for anything else (host arrays, other frameworks): the slow path.
+def _torch_sign(t, key, ptrs) -> bool:
+    dev = t.get_device()
+    if dev < 0:
+        return False
+    p = t.data_ptr()
+    key.append((t.dtype, t.shape, t.stride(), dev, p & 15))
+    ptrs.append(p)
+    return True
+
+
+def _cupy_sign(a, key, ptrs) -> bool:
+    mem = a.data
+    p = mem.ptr
+    key.append((a.dtype, a.shape, a.strides, mem.device_id, p & 15))
+    ptrs.append(p)
+    return True
+
+
+def _no_sign(a, key, ptrs) -> bool:
+    return False
+
+
+SIGNERS: dict = {}
+
+
+def signer(cls):
+    """The signer for arrays of class ``cls`` (cached per class)."""
+    f = SIGNERS.get(cls)
+    if f is None:
+        mod = cls.__module__.partition(".")[0]
+        torch = sys.modules.get("torch")
+        cupy = sys.modules.get("cupy")
+        if mod == "torch" and torch is not None and issubclass(cls, torch.Tensor):
+            f = _torch_sign
+        elif cupy is not None and issubclass(cls, cupy.ndarray):
+            f = _cupy_sign
+        else:
+            f = _no_sign
+        SIGNERS[cls] = f
+    return f
+
+
+def data_ptr(a) -> int:
+    """Data pointer of an array (torch, CuPy, or anything ``describe`` reads)."""
+    ptrs: list = []
+    if signer(type(a))(a, [], ptrs):
+        return ptrs[0]
+    return describe(a, "array").ptr
 
 
 # ------------------------------------------------------------ allocation ---
@@ -250,12 +322,55 @@ def empty_like(t: Tensor):
     """
     if t.kind == "torch":
         return sys.modules["torch"].empty_like(t.obj)
+    if t.kind == "numpy":
+        return np.empty_like(t.obj)
     import cupy
 
     with cupy.cuda.Device(t.device[1]):
         if t.kind == "cupy":
             return cupy.empty_like(t.obj)
         return cupy.empty(t.shape, dtype=_cupy_dtype(t.dtype))
+
+
+def empty(t: Tensor, shape):
+    """A new contiguous array of ``shape`` in ``t``'s framework, dtype and device."""
+    if t.kind == "torch":
+        return sys.modules["torch"].empty(shape, dtype=t.obj.dtype, device=t.obj.device)
+    if t.kind == "numpy":
+        return np.empty(shape, dtype=t.obj.dtype)
+    import cupy
+
+    with cupy.cuda.Device(t.device[1]):
+        dtype = t.obj.dtype if t.kind == "cupy" else _cupy_dtype(t.dtype)
+        return cupy.empty(shape, dtype=dtype)
+
+
+def fast_empty_like(a):
+    """empty_like for a torch tensor or CuPy array, on the array's device."""
+    if type(a).__module__.startswith("torch"):
+        return sys.modules["torch"].empty_like(a)
+    import cupy
+
+    dev = a.data.device_id
+    if dev == current_device():
+        return cupy.empty_like(a)
+    with cupy.cuda.Device(dev):
+        return cupy.empty_like(a)
+
+
+def to_host(a) -> np.ndarray:
+    """A NumPy copy of a device array (syncs; debugging checks only)."""
+    import cupy
+
+    return cupy.asnumpy(cupy.from_dlpack(a) if not isinstance(a, cupy.ndarray) else a)
+
+
+def to_device(t: Tensor, device_id: int):
+    """A CuPy copy of host array ``t`` on ``device_id`` (for host cu_seqlens)."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return cupy.asarray(np.ascontiguousarray(np.asarray(t.obj)))
 
 
 def wrap_result(t: Tensor, arr):

@@ -1,48 +1,66 @@
-"""Launch policy: vector widths, grid and block shape, the parameter block.
+"""Launch policy and launch plans.
 
 From a validated :class:`~cupy_rope.validate.Call` this module derives the
-kernel :class:`~cupy_rope.specialize.Spec` (the widths it can prove aligned),
-the grid/block shape, and the ``Params`` struct of ``kernels/params.cuh``,
-then launches on the caller's stream. This is the only place that knows how
-work is spread over threads.
+kernel :class:`~cupy_rope.specialize.Spec` (the vector widths it can prove
+aligned), the grid/block shape, and the ``Params`` struct of
+``kernels/params.cuh``. A :class:`Plan` holds all of that for one call
+signature (shapes, strides, dtypes, pointer alignment, options), so a
+repeated call only rewrites the data pointers and launches. This is the only
+place that knows how work is spread over threads.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import struct
+import threading
 
+from . import interop
 from .specialize import Spec, get_kernel
-from .validate import LAYOUTS, Call
+from .validate import EXPLICIT, IMPLIED, VARLEN, Call, disjoint_at, lattice, rel_span
 
 MAX_VECTOR_BYTES = 16  # widest single global load/store
 THREADS_PER_BLOCK = 256
 UNROLL = 4  # heads per thread per pass, loads issued together
-MAX_BLOCK_Z = 64  # CUDA's limit on blockDim.z
+MAX_BLOCK_Z = 64  # CUDA's limit on blockDim.z (kernels/params.cuh MAX_BLOCK_Z)
 BLOCKS_PER_SM = 8  # blocks to aim for before splitting heads over blockIdx.y
+MAX_HEAD_LANES = 32  # head lanes per block; fewer lanes: more tokens, more heads per thread
+VARLEN_MIN_TOKENS = 16  # tokens per block to aim for with cu_seqlens
+MAX_SLABS = 3
+POS_MODES = {IMPLIED: 0, EXPLICIT: 1, VARLEN: 2}
 
-# The fields of rope::Params, in order: (name, struct code). Every field is
-# 8 bytes; "f" pairs with the padding float.
-PARAM_FIELDS = (
-    ("x.data", "Q"), ("x.stride_outer", "q"), ("x.stride_inner", "q"),
-    ("x.stride_head", "q"), ("x.stride_dim", "q"),
-    ("out.data", "Q"), ("out.stride_outer", "q"), ("out.stride_inner", "q"),
-    ("out.stride_head", "q"), ("out.stride_dim", "q"),
-    ("cos", "Q"), ("sin", "Q"), ("cos_stride_row", "q"), ("sin_stride_row", "q"),
-    ("cos_stride_col", "q"), ("sin_stride_col", "q"), ("max_position", "q"),
-    ("positions", "Q"), ("offsets", "Q"), ("pos_stride_outer", "q"), ("pos_stride_inner", "q"),
-    ("off_stride_outer", "q"), ("off_stride_inner", "q"), ("seq_stride_outer", "q"),
-    ("seq_stride_inner", "q"), ("offset", "q"),
-    ("n_outer", "q"), ("n_inner", "q"), ("n_heads", "q"), ("heads_per_group", "q"),
-    ("sin_sign", "f"), ("pad_", "f"),
-)
-_PARAMS = struct.Struct("<" + "".join(code for _, code in PARAM_FIELDS))
+# The fields of rope::Params, in order: (name, struct code). Every field is 8
+# bytes; "f" pairs with the padding float. The leading block changes per call.
+DYNAMIC_FIELDS = (
+    [(f"x_data[{i}]", "Q") for i in range(MAX_SLABS)]
+    + [(f"out_data[{i}]", "Q") for i in range(MAX_SLABS)]
+    + [("cos", "Q"), ("sin", "Q"), ("positions", "Q"), ("offsets", "Q"), ("cu_seqlens", "Q"),
+       ("offset", "q")])
+_VIEW = ("stride_outer", "stride_inner", "stride_group", "stride_head", "stride_dim")
+_SLAB = ([f"x.{f}" for f in _VIEW] + [f"out.{f}" for f in _VIEW]
+         + ["block_begin", "token_blocks", "head_lanes", "heads_per_block", "n_heads",
+            "heads_per_group", "rotate"])
+FIXED_FIELDS = (
+    [(f"slab[{i}].{f}", "q") for i in range(MAX_SLABS) for f in _SLAB]
+    + [(n, "q") for n in (
+        "n_slabs", "cos_stride_row", "sin_stride_row", "cos_stride_col", "sin_stride_col",
+        "max_position", "pos_stride_outer", "pos_stride_inner", "pos_is_64",
+        "off_stride_outer", "off_stride_inner", "off_is_64", "seq_stride_outer",
+        "seq_stride_inner", "n_seqs", "cp_size", "cp_rank", "cp_chunk", "n_outer",
+        "n_inner")]
+    + [("sin_sign", "f"), ("pad_", "f")])
+PARAM_FIELDS = tuple(DYNAMIC_FIELDS) + tuple(FIXED_FIELDS)
+_DYNAMIC = struct.Struct("<" + "".join(c for _, c in DYNAMIC_FIELDS))
+_FIXED = struct.Struct("<" + "".join(c for _, c in FIXED_FIELDS))
+PARAMS_SIZE = _DYNAMIC.size + _FIXED.size
 
 
-def _aligned(elems: int, t, strides) -> bool:
-    """Can ``t`` be read in packets of ``elems`` elements at these strides?"""
-    return (t.ptr % (min(elems * t.itemsize, MAX_VECTOR_BYTES)) == 0
+# ---------------------------------------------------------- vector widths --
+def _aligned(elems: int, ptr: int, itemsize: int, strides) -> bool:
+    """Can memory at ``ptr`` be read in packets of ``elems`` elements at these strides?"""
+    return (ptr % min(elems * itemsize, MAX_VECTOR_BYTES) == 0
             and all(st % elems == 0 for st in strides))
 
 
@@ -53,51 +71,31 @@ def _widest(candidates, ok) -> int:
     return 0
 
 
-def _token_strides(t, call: Call):
-    """(batch stride, seq stride, head stride) of a 4-D array in call's layout."""
-    b_axis, s_axis = LAYOUTS[call.layout]
-    return t.strides[b_axis], t.strides[s_axis], t.strides[2]
+def _moving_views(call: Call):
+    """(pointer, itemsize, strides that vary, dim stride) of every slab input and output."""
+    sizes = (call.batch, call.seqlen)
+    views = []
+    for s in call.slabs:
+        groups = s.heads // s.heads_per_group if s.heads else 0
+        extents = (sizes[0], sizes[1], groups, s.heads_per_group)
+        for t, off, st in ((s.x, s.x_offset, s.x_strides), (s.out, s.out_offset, s.out_strides)):
+            if t is not None:
+                varying = tuple(v for v, n in zip(st[:4], extents) if n > 1)
+                views.append((t.ptr + off * t.itemsize, t.itemsize, varying, st[4]))
+    return list(dict.fromkeys(views))
 
 
-_spec_cache: dict = {}
-
-
-def _spec_key(call: Call, out) -> tuple:
-    """Everything :func:`choose_spec` looks at: shapes only as 'is it > 1'."""
-    x = call.x
-    return (x.dtype, x.strides, x.ptr & 15, out.strides, out.ptr & 15, call.layout,
-            call.batch > 1, call.seqlen > 1, call.heads > 1, call.head_dim, call.rotary_dim,
-            call.interleaved, call.inplace, call.source,
-            tuple([(t.dtype, t.strides, t.shape[0] > 1, t.ptr & 15) for t in call.tables]),
-            call.positions.dtype if call.positions is not None else None,
-            call.offsets.dtype if call.offsets is not None else None)
-
-
-def cached_spec(call: Call, out) -> Spec:
-    """:func:`choose_spec`, memoized on the properties it depends on."""
-    key = _spec_key(call, out)
-    spec = _spec_cache.get(key)
-    if spec is None:
-        if len(_spec_cache) > 4096:
-            _spec_cache.clear()
-        spec = _spec_cache[key] = choose_spec(call, out)
-    return spec
-
-
-def choose_spec(call: Call, out) -> Spec:
-    """The kernel instantiation for ``call`` writing to ``out`` (a Tensor)."""
-    x = call.x
+def choose_spec(call: Call) -> Spec:
+    """The kernel instantiation for ``call`` (outputs must be described)."""
     d, r = call.head_dim, call.rotary_dim
     half = r // 2
-    moving = [x] if call.inplace else [x, out]
-    strided = any(t.strides[3] != 1 for t in moving)
-    max_elems = MAX_VECTOR_BYTES // x.itemsize
-    widths = [w for w in (16, 8, 4, 2, 1) if w <= max_elems]
+    views = _moving_views(call)
+    item = views[0][1]
+    strided = any(sd != 1 for *_, sd in views)
+    widths = [w for w in (16, 8, 4, 2, 1) if w <= MAX_VECTOR_BYTES // item]
 
     def x_ok(elems):
-        return all(_aligned(elems, t, [s for s, n in zip(_token_strides(t, call),
-                                                          (call.batch, call.seqlen, call.heads))
-                                       if n > 1]) for t in moving)
+        return all(_aligned(elems, ptr, it, varying) for ptr, it, varying, _ in views)
 
     if strided:
         pairs = 1
@@ -112,19 +110,19 @@ def choose_spec(call: Call, out) -> Spec:
     table_strided = strided or any(t.strides[-1] != 1 for t in tables)
     if not table_strided:
         row_strides = [t.strides[0] for t in tables if t.ndim == 2 and t.shape[0] > 1]
-        table_strided = not all(_aligned(pairs, t, row_strides) for t in tables)
+        table_strided = not all(
+            _aligned(pairs, t.ptr + off * t.itemsize, t.itemsize, row_strides)
+            for t, off in zip(tables, call.table_offsets))
 
     copy_tail = not call.inplace and r < d
     tail_vec = 1
     if copy_tail and not strided:
         tail_vec = _widest(widths, lambda w: (d - r) % w == 0 and r % w == 0 and x_ok(w)) or 1
-
-    pos_dtype = call.positions.dtype if call.positions is not None else "int32"
-    off_dtype = call.offsets.dtype if call.offsets is not None else "int32"
-    return Spec(x.dtype, tables[0].dtype, pos_dtype, off_dtype, d, r, call.interleaved,
-                call.source, pairs, tail_vec, strided, table_strided, copy_tail, UNROLL)
+    return Spec(call.dtype, tables[0].dtype, d, r, call.interleaved, call.source, pairs,
+                tail_vec, strided, table_strided, copy_tail, UNROLL, call.pos_mode)
 
 
+# ------------------------------------------------------------ grid shape --
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_id: int) -> int:
     import cupy
@@ -132,87 +130,238 @@ def _sm_count(device_id: int) -> int:
     return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
 
 
-@functools.lru_cache(maxsize=4096)
-def block_shape(items: int, heads: int, tokens: int, unroll: int, device_id: int):
-    """(grid, block, heads_per_group) for ``tokens`` x ``heads`` x ``items`` work.
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
-    A block is items x head lanes x tokens; each head lane takes ``unroll``
-    heads per pass. With few tokens (decode) the heads are split into groups
-    over blockIdx.y so that the grid still covers every SM several times.
+
+def block_shape(items: int, slab_heads: tuple, tokens: int, unroll: int, sm_count: int,
+                min_tokens: int = 1):
+    """Grid, block and per-slab block layout for ``tokens`` x heads x ``items``.
+
+    A block is items x head lanes x token lanes; each head lane takes
+    ``unroll`` heads per pass. A slab with fewer heads uses fewer head lanes
+    (``head_lanes``, a power of two dividing blockDim.y) and gives the
+    other lanes further tokens, so its threads also load ``unroll`` heads at
+    once. With few tokens (decode) a slab's heads are split into groups so
+    that the grid still covers every SM several times.
+
+    Returns (grid, block, slabs) with slabs[k] = (block_begin, token_blocks,
+    head_lanes, heads_per_block).
     """
-    by = max(1, min(-(-heads // unroll), THREADS_PER_BLOCK // items))
-    bz = max(1, THREADS_PER_BLOCK // (items * by))
-    bz = min(bz, max(1, tokens), MAX_BLOCK_Z)
-    gx = -(-tokens // bz)
-    head_rows = -(-heads // by)  # head iterations of one thread if one group
+    heads = max(slab_heads)
+    by = _pow2_floor(min(-(-heads // unroll), THREADS_PER_BLOCK // items, MAX_HEAD_LANES))
+    if min_tokens > 1:  # e.g. varlen: amortize the per-block sequence search
+        by = min(by, _pow2_floor(THREADS_PER_BLOCK // (items * min_tokens)))
+    bz = max(1, min(THREADS_PER_BLOCK // (items * by), MAX_BLOCK_Z))
+    bz = min(bz, max(1, tokens))
+    layout = []
+    for h in slab_heads:
+        lanes = min(by, 1 << (max(1, -(-h // unroll)) - 1).bit_length())
+        token_blocks = -(-tokens // (bz * (by // lanes)))
+        layout.append([h, lanes, token_blocks, -(-max(h, 1) // lanes)])  # head rows
+    total = sum(tb for _, _, tb, _ in layout)
+    target = BLOCKS_PER_SM * sm_count
     groups = 1
-    target = BLOCKS_PER_SM * _sm_count(device_id)
-    if gx < target and head_rows > 1:  # few tokens: spread heads over blockIdx.y
-        groups = min(head_rows, -(-target // gx))
-    heads_per_group = by * -(-head_rows // groups)
-    gy = -(-heads // heads_per_group)
-    return (gx, gy, 1), (items, by, bz), heads_per_group
+    if total < target:  # few tokens: split heads into groups over more blocks
+        groups = -(-target // max(total, 1))
+    slabs, begin = [], 0
+    for h, lanes, token_blocks, rows in layout:
+        g = min(groups, rows)
+        heads_per_block = lanes * -(-rows // g)
+        n_groups = -(-h // heads_per_block) if h else 0
+        slabs.append((begin, token_blocks, lanes, heads_per_block))
+        begin += token_blocks * n_groups
+    return (begin, 1, 1), (items, by, bz), slabs
 
 
-def pack_params(call: Call, out, heads_per_group: int) -> bytes:
-    x = call.x
-    xb, xs, xh = _token_strides(x, call)
-    ob, os_, oh = _token_strides(out, call)
+# ---------------------------------------------------------------- params --
+def fixed_params(call: Call, slab_blocks: list) -> bytes:
+    """The fixed part of Params (everything but pointers and the offset)."""
+    s0 = call.slabs[0]
+    sb, ss = s0.x_strides[0], s0.x_strides[1]
     # Tokens are walked with the smaller-stride axis inner, for locality.
-    seq_inner = abs(xs) <= abs(xb) or call.batch == 1
+    seq_inner = abs(ss) <= abs(sb) or call.batch == 1
     if seq_inner:
-        n_outer, n_inner = call.batch, call.seqlen
-        x_tok, o_tok = (xb, xs), (ob, os_)
-        seq_strides = (0, 1)
+        n_outer, n_inner, seq_strides = call.batch, call.seqlen, (0, 1)
     else:
-        n_outer, n_inner = call.seqlen, call.batch
-        x_tok, o_tok = (xs, xb), (os_, ob)
-        seq_strides = (1, 0)
+        n_outer, n_inner, seq_strides = call.seqlen, call.batch, (1, 0)
 
     def by_order(b_stride, s_stride):
         return (b_stride, s_stride) if seq_inner else (s_stride, b_stride)
 
-    pos_strides = (0, 0)
-    if call.positions is not None:
-        p = call.positions
-        pos_strides = by_order(*p.strides) if p.ndim == 2 else by_order(0, p.strides[0])
-    off_strides = (0, 0)
-    if call.offsets is not None:
-        off_strides = by_order(call.offsets.strides[0], 0)
+    def view(strides5, hpg):
+        b, s, g, h, d = strides5
+        return (*by_order(b, s), g if g else hpg * h, h, d)
+
+    fields = []
+    for i in range(MAX_SLABS):
+        if i < len(call.slabs):
+            sl = call.slabs[i]
+            fields += view(sl.x_strides, sl.heads_per_group)
+            fields += view(sl.out_strides, sl.heads_per_group)
+            fields += (*slab_blocks[i], sl.heads, sl.heads_per_group, int(sl.rotate))
+        else:
+            fields += (0,) * len(_SLAB)
 
     tables = call.tables
-    cos = tables[0]
-    sin = tables[1] if len(tables) > 1 else tables[0]
-    return _PARAMS.pack(
-        x.ptr, *x_tok, xh, x.strides[3],
-        out.ptr, *o_tok, oh, out.strides[3],
-        cos.ptr, sin.ptr,
+    cos, sin = tables[0], tables[-1]
+    pos_strides = (0, 0)
+    p = call.positions
+    if p is not None:
+        if call.layout == "thd":
+            pos_strides = by_order(0, p.strides[0])
+        else:
+            pos_strides = by_order(*p.strides) if p.ndim == 2 else by_order(0, p.strides[0])
+    off_strides = (0, 0)
+    if call.offsets is not None and call.pos_mode != VARLEN:
+        off_strides = by_order(call.offsets.strides[0], 0)
+    cp_chunk = call.seqlen // 2 if call.pos_mode == IMPLIED else 0
+    fields += (
+        len(call.slabs),
         cos.strides[0] if cos.ndim == 2 else 0, sin.strides[0] if sin.ndim == 2 else 0,
         cos.strides[-1], sin.strides[-1], call.max_position,
-        call.positions.ptr if call.positions is not None else 0,
-        call.offsets.ptr if call.offsets is not None else 0,
-        *pos_strides, *off_strides, *seq_strides, call.offset,
-        n_outer, n_inner, call.heads, heads_per_group,
-        -1.0 if call.backward else 1.0, 0.0,
-    )
+        *pos_strides, int(p is not None and p.dtype == "int64"),
+        *off_strides, int(call.offsets is not None and call.offsets.dtype == "int64"),
+        *seq_strides, call.n_seqs, call.cp_size, call.cp_rank, cp_chunk,
+        n_outer, n_inner,
+        -1.0 if call.backward else 1.0, 0.0)
+    return _FIXED.pack(*fields)
 
 
-def launch(call: Call, out, stream: int) -> None:
-    """Run ``call`` writing into ``out`` (a Tensor) on ``stream``."""
-    tokens = call.batch * call.seqlen
-    if tokens == 0 or call.heads == 0:
-        return
-    spec = cached_spec(call, out)
-    device_id = call.x.device[1]
-    kernel = get_kernel(spec, device_id)
-    grid, block, heads_per_group = block_shape(spec.rot_items + spec.tail_items,
-                                               call.heads, tokens, spec.unroll, device_id)
-    buf = ctypes.create_string_buffer(pack_params(call, out, heads_per_group), _PARAMS.size)
-    args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+# ------------------------------------------------------------------ plan --
+class Plan:
+    """Everything a call signature needs, computed once.
+
+    ``slots`` says where each per-call pointer comes from: (index into the
+    call's array list, byte offset). ``disjoint`` lists pairs of arrays whose
+    memory must not overlap, with their spans relative to their pointers:
+    the one check that depends on pointer values, redone on every call.
+    """
+
+    __slots__ = ("spec", "kernel", "grid", "block", "buf", "args", "args_addr", "lock", "slots",
+                 "pick", "device_id", "stream", "empty", "dims")
+
+    def __init__(self, call: Call, arrays: list):
+        self.device_id = call.device[1]
+        self.empty = call.tokens == 0 or call.heads == 0
+        self.spec = spec = choose_spec(call)
+        self.grid, self.block, slab_blocks = block_shape(
+            spec.rot_items + spec.tail_items, tuple(s.heads for s in call.slabs), call.tokens,
+            spec.unroll, _sm_count(self.device_id),
+            VARLEN_MIN_TOKENS if call.pos_mode == VARLEN else 1)
+        self.dims = (*self.grid, *self.block)
+        self.kernel = None if self.empty else get_kernel(spec, self.device_id).ptr
+        self.buf = ctypes.create_string_buffer(PARAMS_SIZE)
+        self.buf[_DYNAMIC.size:PARAMS_SIZE] = fixed_params(call, slab_blocks)
+        self.args = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
+        self.args_addr = ctypes.addressof(self.args)
+        self.lock = threading.Lock()
+
+        def slot(t, byte_offset=0):
+            if t is None:
+                return (-1, 0)  # index -1: the 0 appended to the pointer list
+            for i, a in enumerate(arrays):
+                if a is t.obj:
+                    return (i, t.ptr - interop.data_ptr(a) + byte_offset)
+            raise AssertionError("array of the call not found")
+
+        slabs = list(call.slabs) + [None] * (MAX_SLABS - len(call.slabs))
+        self.slots = (
+            [slot(s.x, s.x_offset * s.x.itemsize) if s else (-1, 0) for s in slabs]
+            + [slot(s.out, s.out_offset * s.out.itemsize) if s else (-1, 0) for s in slabs]
+            + [slot(call.tables[0], call.table_offsets[0] * call.tables[0].itemsize),
+               slot(call.tables[-1], call.table_offsets[-1] * call.tables[-1].itemsize),
+               slot(call.positions), slot(call.offsets), slot(call.cu_seqlens)])
+        # Without byte offsets (the usual case) the pointers are picked as they are.
+        self.pick = None
+        if all(off == 0 for _, off in self.slots):
+            self.pick = operator.itemgetter(*[i for i, _ in self.slots])
+        if call.x.kind == "torch":
+            self.stream = interop.torch_stream_getter()
+        else:
+            self.stream = lambda device_id: interop.cupy_stream()
+
+    def launch(self, ptrs: list, offset: int) -> None:
+        """Launch with these per-array data pointers (``ptrs[i]`` of array i)."""
+        if self.empty:
+            return
+        ptrs.append(0)
+        if self.pick is not None:
+            vals = self.pick(ptrs)
+        else:
+            vals = [ptrs[i] + off for i, off in self.slots]
+        dev = self.device_id
+        stream = self.stream(dev)
+        with self.lock:
+            _DYNAMIC.pack_into(self.buf, 0, *vals, offset)
+            if _get_device() == dev:
+                try:
+                    _launch_kernel(self.kernel, *self.dims, 0, stream, self.args_addr, 0)
+                    return
+                except Exception as exc:  # a thread without a CUDA context yet
+                    if "INVALID_CONTEXT" not in str(exc):
+                        raise
+            import cupy
+
+            with cupy.cuda.Device(dev):  # makes the device's context current
+                cupy.cuda.runtime.setDevice(dev)
+                _launch_kernel(self.kernel, *self.dims, 0, stream, self.args_addr, 0)
+
+
+def _get_device():
+    global _get_device
+    from cupy_backends.cuda.api.runtime import getDevice
+
+    _get_device = getDevice
+    return getDevice()
+
+
+def _launch_kernel(*args):
+    global _launch_kernel
     from cupy.cuda import driver
 
-    driver.launchKernel(kernel.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                        0, stream, ctypes.addressof(args), 0)
+    _launch_kernel = driver.launchKernel
+    return driver.launchKernel(*args)
+
+
+def disjoint_pairs(call: Call, arrays: list, out_indices) -> list:
+    """Pairs (i, span_i, lattice_i, j, span_j, lattice_j) of array indices
+    whose memory must stay apart (validate.disjoint_at): each caller-given
+    output against every input, and, in place, each written array against
+    the read-only inputs and the other slab."""
+    def idx(t):
+        for i, a in enumerate(arrays):
+            if a is t.obj:
+                return i
+        return None
+
+    written, read = [], []
+    for s in call.slabs:
+        if call.inplace:
+            written.append(s.x)
+        elif s.out is not None and idx(s.out) not in out_indices:
+            written.append(s.out)
+        read.append(s.x)
+    read += [t for t in call.tables + (call.positions, call.offsets, call.cu_seqlens)
+             if t is not None]
+    pairs, seen = [], set()
+    for w in written:
+        for r in read + written:
+            i, j = idx(w), idx(r)
+            if r is w or i is None or j is None or i == j or frozenset((i, j)) in seen:
+                continue
+            seen.add(frozenset((i, j)))
+            pairs.append((i, rel_span(w), lattice(w), j, rel_span(r), lattice(r)))
+    return pairs
+
+
+def check_disjoint(pairs, ptrs) -> bool:
+    for i, span_i, lat_i, j, span_j, lat_j in pairs:
+        pi, pj = ptrs[i], ptrs[j]
+        if (pi + span_i[0] < pj + span_j[1] and pj + span_j[0] < pi + span_i[1]
+                and not disjoint_at(pi, span_i, lat_i, pj, span_j, lat_j)):
+            return False
+    return True
 
 
 # ------------------------------------------------------------- catalogue --
@@ -225,11 +374,11 @@ def shipped_specs() -> list:
 
     The grid: dtype x head_dim {64, 80, 96, 128, 256} x rotary fraction
     {1, 1/2, 1/4} x NeoX/GPT-J x angle source (float32 tables, tables in x's
-    dtype, inv_freq, angle table) x in place / out of place x int32/int64
-    positions, plus the element-by-element path for a strided last axis. The
-    CPU tests compile all of them with NVRTC. Specs are derived by running
-    :func:`choose_spec` on shape-only descriptions, so the list follows the
-    launch policy.
+    dtype, inv_freq, angle table) x in place / out of place x position rule
+    (implied, explicit, varlen), plus the element-by-element path for a
+    strided last axis. The CPU tests compile all of them with NVRTC. Specs
+    are derived by running :func:`choose_spec` on shape-only descriptions,
+    so the list follows the launch policy.
     """
     from .interop import CUDA, Tensor
     from .validate import check_call
@@ -246,7 +395,7 @@ def shipped_specs() -> list:
                       False)
 
     specs = []
-    b, s, h = 2, 16, 4
+    s, h = 16, 4
     for dtype in ("float32", "float16", "bfloat16"):
         for d in SHIPPED_HEAD_DIMS:
             for frac in SHIPPED_ROTARY_FRACTIONS:
@@ -257,22 +406,25 @@ def shipped_specs() -> list:
                 for name, adt in sources:
                     for interleaved in (False, True):
                         for inplace in (False, True):
-                            for pos_dtype in ("int32", "int64"):
+                            for pos_mode in ("implied", "explicit", "varlen"):
                                 for last_stride in (1, 2):
-                                    if last_stride == 2 and (inplace or pos_dtype == "int64"):
+                                    if last_stride == 2 and (inplace or pos_mode != "implied"):
                                         continue
-                                    x = tensor((b, s, h, d), dtype,
-                                               (s * h * d * last_stride, h * d * last_stride,
-                                                d * last_stride, last_stride))
-                                    out = tensor((b, s, h, d), dtype)
+                                    x = tensor((s, h, d), dtype,
+                                               (h * d * last_stride, d * last_stride,
+                                                last_stride))
+                                    out = tensor((s, h, d), dtype)
                                     width = 1 if name == "inv_freq" else 2
                                     shape = (r // 2,) if width == 1 else (s, r // 2)
                                     kw = {name: tensor(shape, adt)}
                                     if name == "cos":
                                         kw["sin"] = tensor(shape, adt)
-                                    call = check_call(
-                                        x, positions=tensor((b, s), pos_dtype),
-                                        offsets=tensor((b,), pos_dtype), interleaved=interleaved,
-                                        inplace=inplace, out=None if inplace else out, **kw)
-                                    specs.append(choose_spec(call, call.x if inplace else out))
+                                    if pos_mode == "explicit":
+                                        kw["positions"] = tensor((s,), "int32")
+                                    elif pos_mode == "varlen":
+                                        kw["cu_seqlens"] = tensor((3,), "int32")
+                                    call = check_call(x, layout="thd", interleaved=interleaved,
+                                                      inplace=inplace,
+                                                      out=None if inplace else out, **kw)
+                                    specs.append(choose_spec(call))
     return sorted(set(specs), key=repr)

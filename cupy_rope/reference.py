@@ -1,42 +1,66 @@
 """The float64 NumPy reference: the oracle the kernels are tested against.
 
-It implements exactly the conventions of :func:`cupy_rope.apply_rope`, with
-plain NumPy and no shortcuts, and also serves NumPy inputs of the public API
-(so the library runs, slowly, without a GPU).
+It implements the conventions of every public operation with plain NumPy
+and no shortcuts, and also serves NumPy inputs of the public API (so the
+library runs, slowly, without a GPU).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .validate import LAYOUTS, Call
+from .validate import Call, Slab, host_positions
 
 
 def _f64(a) -> np.ndarray:
     return np.asarray(a).astype(np.float64)
 
 
-def positions_of(call: Call) -> np.ndarray:
-    """int64 [batch, seqlen] positions of every token."""
-    b, s = call.batch, call.seqlen
-    if call.positions is not None:
-        pos = np.broadcast_to(np.asarray(call.positions.obj).astype(np.int64), (b, s))
-    else:
-        pos = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s))
-    if call.offsets is not None:
-        pos = pos + np.asarray(call.offsets.obj).astype(np.int64)[:, None]
-    return pos + call.offset
+def strided_view(t, offset: int, strides5: tuple, batch: int, seqlen: int, heads: int,
+                 heads_per_group: int, head_dim: int) -> np.ndarray:
+    """A [b, s, groups, heads_per_group, d] view of host array ``t`` (a Tensor)
+    at element ``offset`` with element strides (b, s, group, head, dim)."""
+    base = np.asarray(t.obj)
+    item = base.itemsize
+    start = np.lib.stride_tricks.as_strided(base, shape=(offset + 1,), strides=(item,))[offset:]
+    sb, ss, sg, sh, sd = strides5
+    if not sg:
+        sg = heads_per_group * sh
+    groups = heads // heads_per_group if heads else 0
+    return np.lib.stride_tricks.as_strided(
+        start, shape=(batch, seqlen, groups, heads_per_group, head_dim),
+        strides=tuple(v * item for v in (sb, ss, sg, sh, sd)))
+
+
+def slab_input(call: Call, slab: Slab) -> np.ndarray:
+    """float64 [b, s, h, d] input of one slab."""
+    v = strided_view(slab.x, slab.x_offset, slab.x_strides, call.batch, call.seqlen,
+                     slab.heads, slab.heads_per_group, call.head_dim)
+    return _f64(v).reshape(call.batch, call.seqlen, slab.heads, call.head_dim)
 
 
 def cos_sin_of(call: Call, pos: np.ndarray):
-    """float64 cos and sin [batch, seqlen, rotary_dim / 2] at ``pos``."""
+    """float64 cos and sin [batch, seqlen, rotary_dim / 2] at ``pos``
+    (NaN for a position outside the table or a token without one)."""
+    half = call.rotary_dim // 2
     if call.source == "inv_freq":
         theta = pos[..., None].astype(np.float64) * _f64(call.tables[0].obj)
-        return np.cos(theta), np.sin(theta)
-    if call.source == "angle_table":
-        theta = _f64(call.tables[0].obj)[pos]
-        return np.cos(theta), np.sin(theta)
-    return _f64(call.tables[0].obj)[pos], _f64(call.tables[1].obj)[pos]
+        c, s = np.cos(theta), np.sin(theta)
+        bad = pos < -(2**62)
+    else:
+        bad = (pos < 0) | (pos >= call.max_position)
+        idx = np.where(bad, 0, pos)
+        if len(call.tables) == 2 and call.tables[0] is call.tables[1]:  # cos_sin_cache
+            cache = _f64(call.tables[0].obj)
+            c, s = cache[idx, :half], cache[idx, half:2 * half]
+        elif call.source == "angle_table":
+            theta = _f64(call.tables[0].obj)[idx]
+            c, s = np.cos(theta), np.sin(theta)
+        else:
+            c, s = _f64(call.tables[0].obj)[idx], _f64(call.tables[1].obj)[idx]
+    c, s = c.copy(), s.copy()
+    c[bad], s[bad] = np.nan, np.nan
+    return c, s
 
 
 def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary_dim: int,
@@ -61,30 +85,30 @@ def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary_dim: int,
     return out
 
 
-def rope(call: Call) -> np.ndarray:
-    """float64 result of ``call``, in x's layout."""
-    b_axis, s_axis = LAYOUTS[call.layout]
-    x = _f64(call.x.obj)
-    if (b_axis, s_axis) != (0, 1):
-        x = x.transpose(1, 0, 2, 3)  # sbhd -> bshd
-    pos = positions_of(call)
+def rope_slabs(call: Call) -> list:
+    """float64 results [b, s, h, d] of every slab of ``call`` (v is copied)."""
+    pos = host_positions(call)
+    if pos is None:
+        raise ValueError("the NumPy reference needs host positions, offsets and cu_seqlens")
     cos, sin = cos_sin_of(call, pos)
-    y = rotate(x, cos, sin, call.rotary_dim, call.interleaved, call.backward)
-    if (b_axis, s_axis) != (0, 1):
+    out = []
+    for slab in call.slabs:
+        x = slab_input(call, slab)
+        out.append(rotate(x, cos, sin, call.rotary_dim, call.interleaved, call.backward)
+                   if slab.rotate else x)
+    return out
+
+
+def rope(call: Call) -> np.ndarray:
+    """float64 result of a single-tensor call, in x's own shape."""
+    y = rope_slabs(call)[0]
+    return to_layout(call, y, call.x.shape)
+
+
+def to_layout(call: Call, y: np.ndarray, shape) -> np.ndarray:
+    """[b, s, h, d] -> the caller's layout and shape (sbhd, thd, flattened heads)."""
+    if call.layout == "sbhd":
         y = y.transpose(1, 0, 2, 3)
-    return y
-
-
-def apply_numpy(call: Call):
-    """The public API on NumPy arrays: result in x's dtype, honouring out/inplace."""
-    y = rope(call)
-    dtype = np.asarray(call.x.obj).dtype
-    if call.inplace or call.out is not None:
-        dst = call.x.obj if call.inplace else call.out.obj
-        if call.inplace and call.rotary_dim < call.head_dim:
-            # In place, channels past rotary_dim are not touched at all.
-            dst[..., :call.rotary_dim] = y[..., :call.rotary_dim].astype(dtype)
-        else:
-            dst[...] = y.astype(dtype)
-        return dst
-    return y.astype(dtype)
+    elif call.layout == "thd":
+        y = y[0]
+    return y.reshape(shape)

@@ -30,11 +30,12 @@ CXX_TYPES = {
     "float32": "float",
     "float16": "rope::f16",
     "bfloat16": "rope::bf16",
-    "int32": "int",
-    "int64": "long long",
 }
 
 ANGLE_SOURCES = {"table": 0, "inv_freq": 1, "angle_table": 2}
+
+
+POS_MODES = {"implied": 0, "explicit": 1, "varlen": 2}
 
 
 @dataclass(frozen=True)
@@ -43,18 +44,17 @@ class Spec:
 
     dtype: str  # x and out: float32 | float16 | bfloat16
     angle_dtype: str  # cos/sin tables, angles or inv_freq
-    pos_dtype: str  # positions (int32 when absent)
-    off_dtype: str  # offsets (int32 when absent)
     head_dim: int
     rotary_dim: int
     interleaved: bool  # GPT-J pairs (2f, 2f+1); else NeoX (f, f + rotary_dim/2)
     source: str  # key of ANGLE_SOURCES
     pairs: int  # channel pairs per thread item (vector width)
     tail_vec: int  # channels per tail-copy item
-    strided: bool  # last dim of x or out has a stride other than 1
+    strided: bool  # last dim of an input or output has a stride other than 1
     table_strided: bool  # tables read element by element
     copy_tail: bool  # out of place: copy channels [rotary_dim, head_dim)
     unroll: int  # heads a thread loads before its first store
+    pos_mode: str  # key of POS_MODES: implied | explicit | varlen
 
     @property
     def rot_items(self) -> int:
@@ -69,8 +69,6 @@ class Spec:
         args = [
             CXX_TYPES[self.dtype],
             CXX_TYPES[self.angle_dtype],
-            CXX_TYPES[self.pos_dtype],
-            CXX_TYPES[self.off_dtype],
             str(self.head_dim),
             str(self.rotary_dim),
             b(self.interleaved),
@@ -81,6 +79,7 @@ class Spec:
             b(self.table_strided),
             b(self.copy_tail),
             str(self.unroll),
+            str(POS_MODES[self.pos_mode]),
         ]
         return "rope::rope_kernel<" + ", ".join(args) + ">"
 

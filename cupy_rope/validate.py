@@ -1,9 +1,15 @@
 """Argument checking, shared by the GPU path and the NumPy reference path.
 
-:func:`check_call` turns the public arguments into a :class:`Call`, or raises
-``ValueError`` / ``TypeError`` naming the offending argument and what was
-expected. It looks only at shapes, strides, dtypes and devices (and, for
-host data, at values), never at device memory: it costs no sync.
+:func:`check_call` turns the public arguments of every operation into a
+:class:`Call`, or raises ``ValueError`` / ``TypeError`` naming the offending
+argument and what was expected. It looks only at shapes, strides, dtypes and
+devices, and at the values of host arrays (NumPy positions, cu_seqlens);
+never at device memory, so it costs no sync.
+
+Every operation is described the same way: up to three *slabs* (q, k, v), each
+a strided [batch, seq, heads, head_dim] view of an input array and of an
+output array, sharing one token geometry, one angle source and one position
+rule. ``thd`` inputs have batch 1 and seq = tokens.
 """
 
 from __future__ import annotations
@@ -11,53 +17,104 @@ from __future__ import annotations
 import operator
 from typing import NamedTuple, Optional
 
+import numpy as np
+
 from .interop import Tensor, describe
 
-#: layout -> (batch axis, sequence axis) of the 4-D input.
-LAYOUTS = {"bshd": (0, 1), "sbhd": (1, 0)}
+#: layout -> (batch axis, sequence axis) of the 4-D input; thd has one token axis.
+LAYOUTS = {"bshd": (0, 1), "sbhd": (1, 0), "thd": None}
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 INDEX_DTYPES = ("int32", "int64")
 MAX_HEAD_DIM = 512
+PACKINGS = ("concat", "grouped")
+
+#: Position rules (kernels/positions.cuh).
+IMPLIED, EXPLICIT, VARLEN = "implied", "explicit", "varlen"
+
+
+class Slab(NamedTuple):
+    """One tensor of a launch: where its heads are read and written.
+
+    Offsets are in elements from the array's data pointer; strides are
+    (batch, seq, group, head, dim) in elements. Head j sits at
+    (j // heads_per_group) * group stride + (j % heads_per_group) * head stride.
+    """
+
+    name: str
+    x: Tensor
+    x_offset: int
+    x_strides: tuple
+    out: Optional[Tensor]  # None while the output is still to be allocated
+    out_offset: int
+    out_strides: Optional[tuple]
+    heads: int
+    heads_per_group: int
+    rotate: bool
 
 
 class Call(NamedTuple):
-    x: Tensor
-    out: Optional[Tensor]  # None: allocate a new output
-    inplace: bool  # out is x itself
     layout: str
     batch: int
-    seqlen: int
-    heads: int
+    seqlen: int  # tokens per batch entry; all tokens for thd
     head_dim: int
     rotary_dim: int
     interleaved: bool
     backward: bool
+    inplace: bool
+    slabs: tuple
+    dtype: str
+    device: tuple
     source: str  # "table" | "inv_freq" | "angle_table"
-    tables: tuple  # (cos, sin) | (inv_freq,) | (freqs,)
+    tables: tuple  # (cos, sin) | (inv_freq,) | (freqs,); cos/sin may share one array
+    table_offsets: tuple  # element offset of each table from its array's pointer
     max_position: int  # rows of the table; 0 for inv_freq
+    pos_mode: str
     positions: Optional[Tensor]
     offsets: Optional[Tensor]
     offset: int  # scalar added to every position
+    cu_seqlens: Optional[Tensor]
+    n_seqs: int
+    cp_size: int
+    cp_rank: int
+
+    @property
+    def x(self) -> Tensor:
+        return self.slabs[0].x
+
+    @property
+    def heads(self) -> int:
+        return sum(s.heads for s in self.slabs)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seqlen
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device[0] == "cuda"
 
 
-def _fmt_shape(shape) -> str:
+def fmt_shape(shape) -> str:
     return "[" + ", ".join(str(n) for n in shape) + "]"
 
 
 def _as_int(v, name):
+    if isinstance(v, bool):
+        raise TypeError(f"{name}: expected an int, got bool")
     try:
         return operator.index(v)
     except TypeError:
         raise TypeError(f"{name}: expected an int, got {type(v).__name__}") from None
 
 
-def _same_device(t: Tensor, x: Tensor, name: str) -> None:
-    if t.device != x.device:
-        def where(dev):
-            return "the CPU" if dev[0] == "cpu" else f"cuda:{dev[1]}"
+def _where(dev) -> str:
+    return "the CPU" if dev[0] == "cpu" else f"cuda:{dev[1]}"
 
-        raise ValueError(f"{name}: expected an array on {where(x.device)} (where x is), "
-                         f"got one on {where(t.device)}")
+
+def _same_device(t: Tensor, device: tuple, name: str, what: str = "x") -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: expected an array on {_where(device)} (where {what} is), "
+                         f"got one on {_where(t.device)}")
 
 
 def _check_dtype(t: Tensor, name: str, allowed) -> None:
@@ -65,91 +122,166 @@ def _check_dtype(t: Tensor, name: str, allowed) -> None:
         raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {t.dtype}")
 
 
-def _overlaps(a_span: tuple, b_span: tuple) -> bool:
-    """Do two [first byte, end) spans (Tensor.span()) share a byte?"""
-    return a_span[0] < b_span[1] and b_span[0] < a_span[1]
+def lattice(t: Tensor):
+    """(period, reach) in bytes if every byte of ``t`` lies in
+    ptr + period * Z + [0, reach) with reach <= period, else None.
+
+    This describes views that interleave with others in one buffer, such as
+    q and k slices of a packed [t, (hq + 2 hk) * d] projection: their rows
+    share a period and their per-row footprints do not meet.
+    """
+    dims = sorted((st, n) for n, st in zip(t.shape, t.strides) if n > 1)
+    if not dims or dims[0][0] <= 0:
+        return None
+    best, reach = None, 1
+    for i, (st, n) in enumerate(dims):
+        if i and st >= reach and all(o % st == 0 for o, _ in dims[i:]):
+            best = (st * t.itemsize, reach * t.itemsize)
+        reach = max(reach, st * (n - 1) + reach)
+    return best
 
 
-def check_call(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None,
-               offsets=None, layout="bshd", interleaved=False, rotary_dim=None,
-               inplace=False, out=None, backward=False) -> Call:
-    xt = x if isinstance(x, Tensor) else describe(x, "x")
-    on_gpu = xt.on_gpu
-    floats = FLOAT_DTYPES if on_gpu else FLOAT_DTYPES + ("float64",)
+def disjoint_at(pa: int, span_a: tuple, lat_a, pb: int, span_b: tuple, lat_b) -> bool:
+    """Can two views at data pointers pa, pb (spans and lattices relative to
+    their pointers) share no byte? A sufficient test: spans apart, or the
+    same row period with per-row footprints that do not meet."""
+    if not (pa + span_a[0] < pb + span_b[1] and pb + span_b[0] < pa + span_a[1]):
+        return True
+    if lat_a is None or lat_b is None or lat_a[0] != lat_b[0]:
+        return False
+    period = lat_a[0]
+    d = (pb - pa) % period  # where b's footprint starts, counted from a's
+    return d >= lat_a[1] and period - d >= lat_b[1]
 
-    # ---- x and layout
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
-    if xt.ndim != 4:
-        raise ValueError(f"x: expected a 4-D array {'[' + ', '.join(layout) + ']'} "
-                         f"for layout {layout!r}, got shape {_fmt_shape(xt.shape)}")
-    _check_dtype(xt, "x", floats)
-    b_axis, s_axis = LAYOUTS[layout]
-    batch, seqlen, heads, head_dim = xt.shape[b_axis], xt.shape[s_axis], xt.shape[2], xt.shape[3]
-    if head_dim % 2 or head_dim < 2:
-        raise ValueError(f"x: head_dim (last axis) must be even and >= 2, got {head_dim}")
-    if on_gpu and head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"x: head_dim (last axis) must be <= {MAX_HEAD_DIM}, got {head_dim}")
 
-    # ---- angle source
-    given = [n for n, v in (("cos", cos), ("sin", sin), ("inv_freq", inv_freq), ("freqs", freqs))
+def rel_span(t: Tensor) -> tuple:
+    lo, hi = t.span()
+    return lo - t.ptr, hi - t.ptr
+
+
+def disjoint(a: Tensor, b: Tensor) -> bool:
+    return disjoint_at(a.ptr, rel_span(a), lattice(a), b.ptr, rel_span(b), lattice(b))
+
+
+def _layout_axes(layout: str) -> str:
+    return {"bshd": "[b, s, h, d]", "sbhd": "[s, b, h, d]", "thd": "[t, h, d]"}[layout]
+
+
+def head_view(t: Tensor, name: str, layout: str, head_dim: Optional[int]):
+    """(batch, seqlen, heads, d, strides5) of an activation in ``layout``.
+
+    Accepts the layout's own rank ([b, s, h, d], [s, b, h, d], [t, h, d]) or
+    one less with heads and channels flattened ([.., h * d]) when
+    ``head_dim`` is given. strides5 = (batch, seq, group=0, head, dim).
+    """
+    n_tok = 1 if layout == "thd" else 2
+    if t.ndim == n_tok + 2:
+        h, d = t.shape[n_tok], t.shape[n_tok + 1]
+        sh, sd = t.strides[n_tok], t.strides[n_tok + 1]
+        if head_dim is not None and head_dim != d:
+            raise ValueError(f"head_dim: expected {d} (the last axis of {name}), got {head_dim}")
+    elif t.ndim == n_tok + 1 and head_dim is not None:
+        w, sd = t.shape[n_tok], t.strides[n_tok]
+        if head_dim < 2 or w % head_dim:
+            raise ValueError(f"{name}: the last axis ({w}) is not a multiple of "
+                             f"head_dim ({head_dim})")
+        h, d, sh = w // head_dim, head_dim, head_dim * sd
+    else:
+        flat = _layout_axes(layout).replace(", h, d]", ", h * d] with head_dim=")
+        raise ValueError(f"{name}: expected a {n_tok + 2}-D array {_layout_axes(layout)} for "
+                         f"layout {layout!r} (or {flat}), got shape {fmt_shape(t.shape)}")
+    if layout == "thd":
+        batch, seqlen, sb, ss = 1, t.shape[0], 0, t.strides[0]
+    else:
+        b_axis, s_axis = LAYOUTS[layout]
+        batch, seqlen = t.shape[b_axis], t.shape[s_axis]
+        sb, ss = t.strides[b_axis], t.strides[s_axis]
+    return batch, seqlen, h, d, (sb, ss, 0, sh, sd)
+
+
+def _check_head_dim(d: int, name: str, on_gpu: bool) -> None:
+    if d % 2 or d < 2:
+        raise ValueError(f"{name}: head_dim (last axis) must be even and >= 2, got {d}")
+    if on_gpu and d > MAX_HEAD_DIM:
+        raise ValueError(f"{name}: head_dim (last axis) must be <= {MAX_HEAD_DIM}, got {d}")
+
+
+def _host_values(t: Tensor) -> Optional[np.ndarray]:
+    """Values of a host array (NumPy, CPU torch), else None."""
+    if t.on_gpu:
+        return None
+    return np.asarray(t.obj if t.kind != "torch" else t.obj.numpy())
+
+
+# --------------------------------------------------------------- angles ----
+def _angle_source(cos, sin, inv_freq, freqs, cos_sin_cache, dtype, device, rotary_dim):
+    given = [n for n, v in (("cos", cos), ("sin", sin), ("inv_freq", inv_freq),
+                            ("freqs", freqs), ("cos_sin_cache", cos_sin_cache))
              if v is not None]
-    if given in (["cos", "sin"], ["inv_freq"], ["freqs"]):
+    if given in (["cos", "sin"], ["inv_freq"], ["freqs"], ["cos_sin_cache"]):
         pass
     elif given == ["cos"] or given == ["sin"]:
         raise ValueError(f"{'sin' if given == ['cos'] else 'cos'}: cos and sin tables come "
                          "together; pass both")
     elif not given:
-        raise ValueError("cos/sin, inv_freq or freqs: pass exactly one angle source, got none")
+        raise ValueError("cos/sin, inv_freq, freqs or cos_sin_cache: pass exactly one angle "
+                         "source, got none")
     else:
         raise ValueError(f"{', '.join(given)}: pass exactly one angle source "
-                         "(cos and sin, or inv_freq, or freqs)")
-    angle_dtypes = ("float32", xt.dtype) if xt.dtype != "float32" else ("float32",)
+                         "(cos and sin, inv_freq, freqs, or cos_sin_cache)")
+    on_gpu = device[0] == "cuda"
+    f32 = ("float32",) if on_gpu else ("float32", "float64")
+    table_dtypes = ("float32", dtype) if dtype != "float32" else ("float32",)
     if not on_gpu:
-        angle_dtypes = angle_dtypes + ("float64",)
+        table_dtypes = table_dtypes + ("float64",)
     if inv_freq is not None:
-        source = "inv_freq"
-        tables = (describe(inv_freq, "inv_freq"),)
-        t = tables[0]
+        t = describe(inv_freq, "inv_freq")
         if t.ndim != 1:
             raise ValueError(f"inv_freq: expected a 1-D array [rotary_dim / 2], "
-                             f"got shape {_fmt_shape(t.shape)}")
-        _check_dtype(t, "inv_freq", ("float32",) if on_gpu else ("float32", "float64"))
-        width, max_position = t.shape[0], 0
+                             f"got shape {fmt_shape(t.shape)}")
+        _check_dtype(t, "inv_freq", f32)
+        _same_device(t, device, "inv_freq")
+        return "inv_freq", (t,), (0,), t.shape[0], 0, "inv_freq"
+    if freqs is not None:
+        source, tables, names, allowed = "angle_table", (describe(freqs, "freqs"),), ("freqs",), f32
+    elif cos_sin_cache is not None:
+        t = describe(cos_sin_cache, "cos_sin_cache")
+        if t.ndim != 2 or t.shape[1] % 2:
+            raise ValueError("cos_sin_cache: expected a 2-D table [max_position, rotary_dim] "
+                             f"(cos in the first half, sin in the second), got shape "
+                             f"{fmt_shape(t.shape)}")
+        _check_dtype(t, "cos_sin_cache", table_dtypes)
+        _same_device(t, device, "cos_sin_cache")
+        half = t.shape[1] // 2
+        if t.shape[0] < 1:
+            raise ValueError("cos_sin_cache: the table has no rows")
+        return ("table", (t, t), (0, half * t.strides[1]), half, t.shape[0], "cos_sin_cache")
     else:
-        if freqs is not None:
-            source, tables = "angle_table", (describe(freqs, "freqs"),)
-            names = ("freqs",)
-            allowed = ("float32",) if on_gpu else ("float32", "float64")
-        else:
-            source, tables = "table", (describe(cos, "cos"), describe(sin, "sin"))
-            names = ("cos", "sin")
-            allowed = angle_dtypes
-        for t, n in zip(tables, names):
-            if t.ndim != 2:
-                raise ValueError(f"{n}: expected a 2-D table [max_position, rotary_dim / 2], "
-                                 f"got shape {_fmt_shape(t.shape)}")
-            _check_dtype(t, n, allowed)
-        if source == "table":
-            if tables[0].shape != tables[1].shape:
-                raise ValueError(f"sin: expected the shape of cos {_fmt_shape(tables[0].shape)}, "
-                                 f"got {_fmt_shape(tables[1].shape)}")
-            if tables[0].dtype != tables[1].dtype:
-                raise TypeError(f"sin: expected the dtype of cos ({tables[0].dtype}), "
-                                f"got {tables[1].dtype}")
-        max_position, width = tables[0].shape
-        if max_position < 1:
-            raise ValueError(f"{names[0]}: the table has no rows")
+        source, tables = "table", (describe(cos, "cos"), describe(sin, "sin"))
+        names, allowed = ("cos", "sin"), table_dtypes
+    for t, n in zip(tables, names):
+        if t.ndim != 2:
+            raise ValueError(f"{n}: expected a 2-D table [max_position, rotary_dim / 2], "
+                             f"got shape {fmt_shape(t.shape)}")
+        _check_dtype(t, n, allowed)
+        _same_device(t, device, n)
+    if source == "table":
+        if tables[0].shape != tables[1].shape:
+            raise ValueError(f"sin: expected the shape of cos {fmt_shape(tables[0].shape)}, "
+                             f"got {fmt_shape(tables[1].shape)}")
+        if tables[0].dtype != tables[1].dtype:
+            raise TypeError(f"sin: expected the dtype of cos ({tables[0].dtype}), "
+                            f"got {tables[1].dtype}")
+    max_position, width = tables[0].shape
+    if max_position < 1:
+        raise ValueError(f"{names[0]}: the table has no rows")
+    return source, tables, (0,) * len(tables), width, max_position, names[0]
 
-    src_name = {"table": "cos", "inv_freq": "inv_freq", "angle_table": "freqs"}[source]
-    table_names = ("cos", "sin") if source == "table" else (src_name,)
-    for t, n in zip(tables, table_names):
-        _same_device(t, xt, n)
 
-    # ---- rotary_dim
+def _rotary_dim(rotary_dim, width: int, head_dim: int, src_name: str) -> int:
     if width < 1:
         raise ValueError(f"{src_name}: expected at least one frequency in its last axis "
-                         f"(rotary_dim / 2 >= 1), got shape {_fmt_shape(tables[0].shape)}")
+                         f"(rotary_dim / 2 >= 1)")
     if rotary_dim is None:
         rotary_dim = 2 * width
     else:
@@ -162,97 +294,455 @@ def check_call(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=No
     if rotary_dim > head_dim:
         raise ValueError(f"rotary_dim: must be <= head_dim ({head_dim}), got {rotary_dim} "
                          f"(from {src_name} with {width} frequencies)")
+    return rotary_dim
 
-    # ---- positions and offsets
+
+# ------------------------------------------------------------ positions ----
+def check_cu_seqlens(cu_t: Tensor, tokens: int, cp_size: int) -> int:
+    if cu_t.ndim != 1 or cu_t.shape[0] < 1:
+        raise ValueError(f"cu_seqlens: expected a 1-D array [n_seqs + 1], "
+                         f"got shape {fmt_shape(cu_t.shape)}")
+    _check_dtype(cu_t, "cu_seqlens", ("int32",))
+    n_seqs = cu_t.shape[0] - 1
+    cu = _host_values(cu_t)
+    if cu is not None:
+        cu = cu.astype(np.int64)
+        if cu[0] != 0:
+            raise ValueError(f"cu_seqlens: must start at 0, got {cu[0]}")
+        lengths = np.diff(cu)
+        if (lengths < 0).any():
+            i = int(np.argmax(lengths < 0))
+            raise ValueError(f"cu_seqlens: must be non-decreasing, but cu_seqlens[{i + 1}] = "
+                             f"{cu[i + 1]} < cu_seqlens[{i}] = {cu[i]}")
+        if cp_size > 1 and (lengths % (2 * cp_size)).any():
+            i = int(np.argmax(lengths % (2 * cp_size) != 0))
+            raise ValueError(f"cu_seqlens: with cp_size={cp_size} every sequence length must be "
+                             f"divisible by 2 * cp_size = {2 * cp_size}; sequence {i} has "
+                             f"length {lengths[i]}")
+        if cu[-1] != tokens * cp_size:
+            want = (f"{tokens} (the tokens of x)" if cp_size == 1 else
+                    f"{tokens * cp_size} (the tokens of x times cp_size: cu_seqlens describe the "
+                    "full sequences)")
+            raise ValueError(f"cu_seqlens: the last entry must be {want}, got {cu[-1]}")
+    return n_seqs
+
+
+def _positions(call_shape, layout, positions, offsets, cu_seqlens, cp_size, cp_rank, device):
+    """pos_mode, positions, offsets (array), offset (int), cu_seqlens, n_seqs."""
+    batch, seqlen = call_shape
+    cp_size = _as_int(cp_size, "cp_size")
+    cp_rank = _as_int(cp_rank, "cp_rank")
+    if cp_size < 1:
+        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank: expected 0 <= cp_rank < cp_size ({cp_size}), got {cp_rank}")
+    cu_t, n_seqs = None, 0
+    if cu_seqlens is not None:
+        if layout != "thd":
+            raise ValueError(f"cu_seqlens: only for layout 'thd' (packed sequences), "
+                             f"got layout {layout!r}")
+        cu_t = describe(cu_seqlens, "cu_seqlens")
+        if cu_t.on_gpu or device[0] != "cuda":  # host cu_seqlens are checked, then uploaded
+            _same_device(cu_t, device, "cu_seqlens")
+        n_seqs = check_cu_seqlens(cu_t, seqlen, cp_size)
     pos_t = None
     if positions is not None:
+        if cu_t is not None:
+            raise ValueError("positions: pass either explicit positions or cu_seqlens, not both")
+        if cp_size > 1:
+            raise ValueError("positions: explicit positions are already global; cp_size/cp_rank "
+                             "remap only the implied positions (leave positions out, or use "
+                             "cp_size=1)")
         pos_t = describe(positions, "positions")
-        _same_device(pos_t, xt, "positions")
+        _same_device(pos_t, device, "positions")
         _check_dtype(pos_t, "positions", INDEX_DTYPES)
-        if pos_t.shape not in ((seqlen,), (batch, seqlen)):
-            raise ValueError(f"positions: expected shape [{seqlen}] or [{batch}, {seqlen}] "
-                             f"([s] or [b, s]), got {_fmt_shape(pos_t.shape)}")
+        want = ((seqlen,),) if layout == "thd" else ((seqlen,), (batch, seqlen))
+        if pos_t.shape not in want:
+            txt = (f"[{seqlen}] (one per token)" if layout == "thd" else
+                   f"[{seqlen}] or [{batch}, {seqlen}] ([s] or [b, s])")
+            raise ValueError(f"positions: expected shape {txt}, got {fmt_shape(pos_t.shape)}")
+    elif cp_size > 1 and cu_t is None and seqlen % 2:
+        raise ValueError(f"x: with cp_size={cp_size} the local sequence length must be even "
+                         f"(two chunks per rank), got {seqlen}")
     off_t, offset = None, 0
     if offsets is not None:
         if isinstance(offsets, bool):
             raise TypeError("offsets: expected an int or an int32/int64 array, got bool")
-        if isinstance(offsets, int) or type(offsets).__name__.startswith(("int", "uint")):
-            offset = _as_int(offsets, "offsets")
+        if isinstance(offsets, (int, np.integer)):
+            offset = int(offsets)
             if abs(offset) >= 2**62:
                 raise ValueError(f"offsets: expected |offsets| < 2**62, got {offset}")
         else:
             off_t = describe(offsets, "offsets")
-            _same_device(off_t, xt, "offsets")
+            _same_device(off_t, device, "offsets")
             _check_dtype(off_t, "offsets", INDEX_DTYPES)
-            if off_t.shape != (batch,):
+            if layout == "thd":
+                if cu_t is None:
+                    raise ValueError("offsets: an offsets array with layout 'thd' needs "
+                                     "cu_seqlens (one offset per sequence); pass an int otherwise")
+                if off_t.shape != (n_seqs,):
+                    raise ValueError(f"offsets: expected shape [{n_seqs}] (one per sequence) "
+                                     f"or an int, got {fmt_shape(off_t.shape)}")
+            elif off_t.shape != (batch,):
                 raise ValueError(f"offsets: expected shape [{batch}] (one per batch entry) "
-                                 f"or an int, got {_fmt_shape(off_t.shape)}")
+                                 f"or an int, got {fmt_shape(off_t.shape)}")
+    mode = EXPLICIT if pos_t is not None else VARLEN if cu_t is not None else IMPLIED
+    return mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank
 
-    # Positions known on the host are checked against the table here; device
+
+def host_positions(call: Call) -> Optional[np.ndarray]:
+    """int64 [batch, seqlen] positions of every token if the host knows them
+    (cp remap included), else None. Tokens outside every sequence get -1."""
+    b, s = call.batch, call.seqlen
+    off = None
+    if call.offsets is not None:
+        off = _host_values(call.offsets)
+        if off is None:
+            return None
+        off = off.astype(np.int64)
+    if call.pos_mode == EXPLICIT:
+        pos = _host_values(call.positions)
+        if pos is None:
+            return None
+        pos = np.broadcast_to(pos.astype(np.int64), (b, s))
+    elif call.pos_mode == IMPLIED:
+        i = np.arange(s, dtype=np.int64)
+        if call.cp_size > 1:
+            i = cp_global_index(i, s // 2, call.cp_size, call.cp_rank)
+        pos = np.broadcast_to(i, (b, s))
+    else:
+        cu = _host_values(call.cu_seqlens)
+        if cu is None:
+            return None
+        cu = cu.astype(np.int64)
+        starts = cu // call.cp_size
+        t = np.arange(s, dtype=np.int64)
+        seq = np.searchsorted(starts, t, side="right") - 1
+        i = t - starts[seq]
+        if call.cp_size > 1:
+            chunk = (cu[seq + 1] - cu[seq]) // (2 * call.cp_size)
+            i = cp_global_index(i, chunk, call.cp_size, call.cp_rank)
+        pos = i[None]
+        if off is not None:
+            pos = pos + off[seq][None]
+            off = None
+    if off is not None:
+        pos = pos + off[:, None]
+    return pos + call.offset
+
+
+def cp_global_index(i, chunk, cp_size, cp_rank):
+    """Dual-chunk context parallelism: local index -> index in the full sequence.
+
+    A sequence of length L is cut into 2 * cp_size chunks of c = L / (2 * cp_size);
+    rank r holds chunks r and 2 * cp_size - 1 - r, in that order.
+    """
+    return np.where(i < chunk, cp_rank * chunk + i, (2 * cp_size - 1 - cp_rank) * chunk + i - chunk)
+
+
+# --------------------------------------------------------------- output ----
+def _check_writable(t: Tensor, name: str, read_only) -> None:
+    if t.readonly:
+        kind = "JAX arrays are immutable" if t.kind == "jax" else "it is read-only"
+        raise TypeError(f"{name}: cannot be written in place ({kind}); "
+                        "use the returned array instead")
+    if t.self_overlapping():
+        raise ValueError(f"{name}: has elements that share memory (stride 0 or overlapping "
+                         "strides); cannot be written")
+    for other, n in read_only:
+        if other is not t and not disjoint(other, t):
+            raise ValueError(f"{name}: overlaps {n}; the output must not alias the inputs")
+
+
+def _check_out(out_t: Tensor, name: str, shape, dtype: str, device: tuple) -> None:
+    if tuple(out_t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {fmt_shape(shape)}, "
+                         f"got {fmt_shape(out_t.shape)}")
+    if out_t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {out_t.dtype}")
+    _same_device(out_t, device, name)
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    return a.ptr == b.ptr and a.strides == b.strides and a.shape == b.shape
+
+
+# ----------------------------------------------------------------- core ----
+def check_call(x=None, cos=None, sin=None, *, k=None, qkv=None, inv_freq=None, freqs=None,
+               cos_sin_cache=None, positions=None, offsets=None, layout="bshd",
+               interleaved=False, rotary_dim=None, inplace=False, out=None, out_k=None,
+               backward=False, cu_seqlens=None, cp_size=1, cp_rank=0, head_dim=None,
+               num_q_heads=None, num_kv_heads=None, packing="concat", qkv_grads=None) -> Call:
+    """Validate one operation.
+
+    - ``x`` alone: apply_rope (out -> ``out``).
+    - ``x`` and ``k``: apply_rope_qk (outputs ``out`` and ``out_k``).
+    - ``qkv``: apply_rope_qkv forward: slabs read views of the packed array;
+      outputs are allocated by the caller (Slab.out None).
+    - ``qkv_grads=(dq, dk, dv)``: apply_rope_qkv_backward: slabs read the three
+      arrays and write views of ``out`` (the packed gradient) when given.
+    """
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    if head_dim is not None:
+        head_dim = _as_int(head_dim, "head_dim")
+    for flag, name in ((inplace, "inplace"), (interleaved, "interleaved"), (backward, "backward")):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+
+    if qkv is not None or qkv_grads is not None:
+        if inplace:
+            raise ValueError("inplace: the fused QKV split writes new arrays")
+        slabs, batch, seqlen, d, dtype, device = _qkv_slabs(
+            qkv, qkv_grads, out, layout, head_dim, num_q_heads, num_kv_heads, packing)
+    else:
+        slabs, batch, seqlen, d, dtype, device = _activation_slabs(x, k, layout, head_dim)
+    on_gpu = device[0] == "cuda"
+    _check_head_dim(d, slabs[0].name, on_gpu)
+
+    source, tables, table_offsets, width, max_position, src_name = _angle_source(
+        cos, sin, inv_freq, freqs, cos_sin_cache, dtype, device, rotary_dim)
+    rotary_dim = _rotary_dim(rotary_dim, width, d, src_name)
+
+    pos_mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank = _positions(
+        (batch, seqlen), layout, positions, offsets, cu_seqlens, cp_size, cp_rank, device)
+
+    table_names = (("cos", "sin") if src_name == "cos" else (src_name,) * len(tables))
+    read_only = [(t, n) for t, n in zip(tables, table_names)] + [
+        (t, n) for t, n in ((pos_t, "positions"), (off_t, "offsets"), (cu_t, "cu_seqlens"))
+        if t is not None]
+
+    # ---- outputs
+    if qkv is None and qkv_grads is None:
+        slabs, inplace = _activation_outputs(slabs, out, out_k, inplace, layout, head_dim,
+                                             dtype, device, read_only)
+    elif out is not None:  # qkv backward into a given packed gradient
+        _check_writable(slabs[0].out, "out", read_only +
+                        [(s.x, "d" + s.name) for s in slabs])
+
+    call = Call(layout, batch, seqlen, d, rotary_dim, interleaved, backward, inplace,
+                tuple(slabs), dtype, device, source, tables, table_offsets, max_position,
+                pos_mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank)
+
+    # Positions the host can see are checked against the table here; device
     # positions cannot be (that would need a sync): the kernel then writes NaN
     # for any position outside the table instead of reading out of bounds.
-    if source != "inv_freq" and seqlen > 0 and batch > 0:
-        lo = hi = None
-        if pos_t is None and off_t is None:
-            lo, hi = offset, seqlen - 1 + offset
-        elif not on_gpu:
-            import numpy as np
-
-            pos = (np.asarray(pos_t.obj).astype(np.int64) if pos_t is not None
-                   else np.arange(seqlen, dtype=np.int64))
-            pos = np.broadcast_to(pos, (batch, seqlen))
-            if off_t is not None:
-                pos = pos + np.asarray(off_t.obj).astype(np.int64)[:, None]
-            pos = pos + offset
-            lo, hi = int(pos.min()), int(pos.max())
+    if source != "inv_freq" and call.tokens > 0:
+        if pos_mode == IMPLIED and off_t is None:
+            lo, hi = offset, (seqlen * cp_size - 1) + offset
+        else:
+            pos = host_positions(call)
+            lo = hi = None
+            if pos is not None and pos.size:
+                lo, hi = int(pos.min()), int(pos.max())
         if lo is not None and (lo < 0 or hi >= max_position):
             raise ValueError(f"{src_name}: the table has {max_position} rows (positions "
                              f"0..{max_position - 1}) but positions reach {lo if lo < 0 else hi}")
 
-    # ---- output
-    if not isinstance(inplace, bool):
-        raise TypeError(f"inplace: expected a bool, got {type(inplace).__name__}")
-    out_t = None
-    if out is not None:
-        out_t = describe(out, "out")
-        same_view = (out_t.ptr == xt.ptr and out_t.strides == xt.strides
-                     and out_t.shape == xt.shape)
-        if inplace and not same_view:
-            raise ValueError("out: pass either out= or inplace=True, not both")
-        if out_t.shape != xt.shape:
-            raise ValueError(f"out: expected shape {_fmt_shape(xt.shape)} (that of x), "
-                             f"got {_fmt_shape(out_t.shape)}")
-        if out_t.dtype != xt.dtype:
-            raise TypeError(f"out: expected dtype {xt.dtype} (that of x), got {out_t.dtype}")
-        _same_device(out_t, xt, "out")
-        if same_view:
-            inplace, out_t = True, None
-        elif _overlaps(out_t.span(), xt.span()):
-            raise ValueError("out: overlaps x without being the same view; pass a separate "
-                             "array or rotate in place (inplace=True)")
-    read_only = [(t, n) for t, n in list(zip(tables, table_names)) +
-                 [(pos_t, "positions"), (off_t, "offsets")] if t is not None]
-    target = xt if inplace else out_t
-    if target is not None:
-        name = "x" if inplace else "out"
-        if target.readonly:
-            kind = "JAX arrays are immutable" if target.kind == "jax" else "it is read-only"
-            raise TypeError(f"{name}: cannot be written in place ({kind}); "
-                            "use the returned array instead")
-        if target.self_overlapping():
-            raise ValueError(f"{name}: has elements that share memory (stride 0 or overlapping "
-                             "strides); cannot be written")
-        target_span = target.span()
-        for t, n in read_only:
-            if _overlaps(t.span(), target_span):
-                raise ValueError(f"{name}: overlaps {n}; the output must not alias the inputs")
-
     if on_gpu:
-        for t, n in [(xt, "x")] + ([(out_t, "out")] if out_t is not None else []) + read_only:
+        arrays = [(s.x, s.name) for s in slabs] + [
+            (s.out, "out") for s in slabs if s.out is not None] + read_only
+        for t, n in arrays:
             if t.ptr % t.itemsize:
                 raise ValueError(f"{n}: data pointer {t.ptr:#x} is not aligned to its "
                                  f"{t.itemsize}-byte elements")
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
-    return Call(xt, out_t, inplace, layout, batch, seqlen, heads, head_dim, rotary_dim,
-                interleaved, bool(backward), source, tables, max_position, pos_t, off_t, offset)
+    return call
+
+
+def _activation_slabs(x, k, layout, head_dim):
+    xt = describe(x, "x" if k is None else "q")
+    on_gpu = xt.on_gpu
+    floats = FLOAT_DTYPES if on_gpu else FLOAT_DTYPES + ("float64",)
+    names = ("x",) if k is None else ("q", "k")
+    _check_dtype(xt, names[0], floats)
+    batch, seqlen, h, d, st = head_view(xt, names[0], layout, head_dim)
+    slabs = [Slab(names[0], xt, 0, st, None, 0, None, h, h, True)]
+    if k is not None:
+        kt = describe(k, "k")
+        _same_device(kt, xt.device, "k", "q")
+        if kt.dtype != xt.dtype:
+            raise TypeError(f"k: expected dtype {xt.dtype} (that of q), got {kt.dtype}")
+        kb, ks, kh, kd, kst = head_view(kt, "k", layout, head_dim)
+        if (kb, ks) != (batch, seqlen):
+            raise ValueError(f"k: expected the token axes of q ({fmt_shape((batch, seqlen)) if layout != 'thd' else seqlen}), "
+                             f"got shape {fmt_shape(kt.shape)}")
+        if kd != d:
+            raise ValueError(f"k: expected head_dim {d} (that of q), got {kd}")
+        slabs.append(Slab("k", kt, 0, kst, None, 0, None, kh, kh, True))
+    return slabs, batch, seqlen, d, xt.dtype, xt.device
+
+
+def _activation_outputs(slabs, out, out_k, inplace, layout, head_dim, dtype, device, read_only):
+    outs = (out, out_k)
+    out_names = ("out",) if len(slabs) == 1 else ("out_q", "out_k")
+    if len(slabs) == 1 and out_k is not None:
+        raise ValueError("out_k: only for apply_rope_qk")
+    result = []
+    given = [o is not None for o in outs[:len(slabs)]]
+    if any(given) and not all(given):
+        raise ValueError(f"{out_names[given.index(False)]}: pass an output for every input, "
+                         "or none")
+    described = []
+    for s, o, n in zip(slabs, outs, out_names):
+        if o is None:
+            described.append(None)
+            continue
+        ot = describe(o, n)
+        _check_out(ot, n, s.x.shape, dtype, device)
+        described.append(ot)
+    if all(given):
+        same = [_same_view(ot, s.x) for ot, s in zip(described, slabs)]
+        if inplace and not all(same):
+            what = "out=" if len(slabs) == 1 else "outputs"
+            raise ValueError(f"{out_names[0]}: pass either {what} or inplace=True, not both")
+        if all(same):
+            inplace = True
+        elif any(same):
+            raise ValueError(f"{out_names[same.index(False)]}: either every output is its input "
+                             "(in place) or none is")
+    others = [(s.x, s.name) for s in slabs]
+    for i, s in enumerate(slabs):
+        if inplace:
+            _check_writable(s.x, s.name, read_only + [o for o in others if o[0] is not s.x])
+            result.append(s._replace(out=s.x, out_strides=s.x_strides))
+        elif described[i] is not None:
+            ot = described[i]
+            for other, n in others:
+                if not disjoint(ot, other):
+                    raise ValueError(f"{out_names[i]}: overlaps {n} without being the same "
+                                     "view; pass a separate array or rotate in place "
+                                     "(inplace=True)")
+            _check_writable(ot, out_names[i], read_only +
+                            [(d_, out_names[j]) for j, d_ in enumerate(described) if j != i])
+            st = head_view(ot, out_names[i], layout, head_dim)[4]
+            result.append(s._replace(out=ot, out_strides=st))
+        else:
+            result.append(s)
+    if inplace and len(slabs) == 2 and not disjoint(slabs[0].x, slabs[1].x):
+        raise ValueError("k: overlaps q; rotating both in place needs separate memory")
+    return result, inplace
+
+
+def _qkv_slabs(qkv, grads, out, layout, head_dim, num_q_heads, num_kv_heads, packing):
+    """Slabs of a fused QKV split: forward reads views of ``qkv``; backward
+    reads dq, dk, dv and writes views of ``out`` (if given)."""
+    if packing not in PACKINGS:
+        raise ValueError(f"packing: expected one of {', '.join(map(repr, PACKINGS))}, "
+                         f"got {packing!r}")
+    if num_q_heads is None or num_kv_heads is None:
+        raise ValueError("num_q_heads, num_kv_heads: both are required for a fused QKV split")
+    hq, hk = _as_int(num_q_heads, "num_q_heads"), _as_int(num_kv_heads, "num_kv_heads")
+    if hq < 1 or hk < 1:
+        raise ValueError(f"num_q_heads, num_kv_heads: expected >= 1, got {hq}, {hk}")
+    if packing == "grouped" and hq % hk:
+        raise ValueError(f"num_q_heads: packing 'grouped' needs num_q_heads ({hq}) to be a "
+                         f"multiple of num_kv_heads ({hk})")
+    n_tok = 1 if layout == "thd" else 2
+    heads_total = hq + 2 * hk
+    if grads is None:
+        packed = describe(qkv, "qkv")
+        pname = "qkv"
+    else:
+        if len(grads) != 3:
+            raise ValueError("dq, dk, dv: expected three gradients")
+        gts = [describe(g, n) for g, n in zip(grads, ("dq", "dk", "dv"))]
+        packed = describe(out, "out") if out is not None else None
+        pname = "out"
+    ref = packed if packed is not None else gts[0]
+    on_gpu = ref.on_gpu
+    floats = FLOAT_DTYPES if on_gpu else FLOAT_DTYPES + ("float64",)
+    _check_dtype(ref, pname if packed is not None else "dq", floats)
+    dtype, device = ref.dtype, ref.device
+
+    def packed_view(t, name):
+        if t.ndim == n_tok + 1:
+            w = t.shape[-1]
+            if head_dim is None:
+                if w % heads_total:
+                    raise ValueError(f"{name}: the last axis ({w}) is not a multiple of "
+                                     f"num_q_heads + 2 * num_kv_heads = {heads_total}")
+                d_ = w // heads_total
+            else:
+                d_ = head_dim
+            if w != heads_total * d_:
+                raise ValueError(f"{name}: expected a last axis of (num_q_heads + 2 * "
+                                 f"num_kv_heads) * head_dim = {heads_total * d_}, got {w}")
+            sd = t.strides[-1]
+            sh = d_ * sd
+        elif t.ndim == n_tok + 2:
+            if t.shape[-2] != heads_total:
+                raise ValueError(f"{name}: expected {heads_total} heads (num_q_heads + 2 * "
+                                 f"num_kv_heads) in axis {n_tok}, got {t.shape[-2]}")
+            d_, sh, sd = t.shape[-1], t.strides[-2], t.strides[-1]
+        else:
+            raise ValueError(f"{name}: expected the token axes of layout {layout!r} then "
+                             f"[(hq + 2 hk) * d] or [hq + 2 hk, d], got shape "
+                             f"{fmt_shape(t.shape)}")
+        if layout == "thd":
+            b_, s_, sb, ss = 1, t.shape[0], 0, t.strides[0]
+        else:
+            ba, sa = LAYOUTS[layout]
+            b_, s_, sb, ss = t.shape[ba], t.shape[sa], t.strides[ba], t.strides[sa]
+        return b_, s_, d_, sb, ss, sh, sd
+
+    def split(b_, s_, d_, sb, ss, sh, sd):
+        """(element offset, strides5, heads_per_group) of q, k, v."""
+        if packing == "concat":
+            return [(0, (sb, ss, 0, sh, sd), hq), (hq * sh, (sb, ss, 0, sh, sd), hk),
+                    ((hq + hk) * sh, (sb, ss, 0, sh, sd), hk)]
+        g = hq // hk  # hk groups of (g q heads, 1 k head, 1 v head)
+        gs = (g + 2) * sh
+        return [(0, (sb, ss, gs, sh, sd), g), (g * sh, (sb, ss, gs, sh, sd), 1),
+                ((g + 1) * sh, (sb, ss, gs, sh, sd), 1)]
+
+    heads = (hq, hk, hk)
+    names = ("q", "k", "v")
+    slabs = []
+    if grads is None:
+        b_, s_, d_, *st = packed_view(packed, "qkv")
+        for (off, st5, hpg), h, n in zip(split(b_, s_, d_, *st), heads, names):
+            slabs.append(Slab(n, packed, off, st5, None, 0, None, h, hpg, n != "v"))
+        if out is not None:  # (out_q, out_k, out_v)
+            tok = packed.shape[:n_tok]
+            for i, (o, n) in enumerate(zip(out, ("out_q", "out_k", "out_v"))):
+                ot = describe(o, n)
+                _check_out(ot, n, tuple(tok) + (heads[i], d_), dtype, device)
+                if ot.self_overlapping():
+                    raise ValueError(f"{n}: has elements that share memory (stride 0 or "
+                                     "overlapping strides); cannot be written")
+                for other, on in [(packed, "qkv")] + [(sl.out, "out_" + sl.name)
+                                                      for sl in slabs if sl.out is not None]:
+                    if not disjoint(ot, other):
+                        raise ValueError(f"{n}: overlaps {on}; outputs must be separate arrays")
+                st5 = head_view(ot, n, layout, None)[4]
+                slabs[i] = slabs[i]._replace(out=ot, out_strides=st5)
+        return slabs, b_, s_, d_, dtype, device
+    # backward: dq [.., hq, d], dk, dv [.., hk, d] -> packed
+    b_ = s_ = d_ = None
+    for gt, h, n in zip(gts, heads, names):
+        _check_dtype(gt, "d" + n, floats)
+        if gt.dtype != dtype:
+            raise TypeError(f"d{n}: expected dtype {dtype}, got {gt.dtype}")
+        _same_device(gt, device, "d" + n, "dq")
+        gb, gs_, gh, gd, gst = head_view(gt, "d" + n, layout, head_dim)
+        if b_ is None:
+            b_, s_, d_ = gb, gs_, gd
+        if (gb, gs_, gd) != (b_, s_, d_) or gh != h:
+            raise ValueError(f"d{n}: expected {h} heads of head_dim {d_} on the token axes of "
+                             f"dq, got shape {fmt_shape(gt.shape)}")
+        slabs.append(Slab("d" + n, gt, 0, gst, None, 0, None, h, h, n != "v"))
+    if packed is not None:
+        tok = (s_,) if layout == "thd" else ((b_, s_) if layout == "bshd" else (s_, b_))
+        pb, ps, pd, *pst = packed_view(packed, "out")
+        if (pb, ps, pd) != (b_, s_, d_):
+            raise ValueError(f"out: expected a packed gradient with token axes "
+                             f"{fmt_shape(tok)} and head_dim {d_}, got shape "
+                             f"{fmt_shape(packed.shape)}")
+        for i, (off, st5, hpg) in enumerate(split(pb, ps, pd, *pst)):
+            slabs[i] = slabs[i]._replace(out=packed, out_offset=off, out_strides=st5,
+                                         heads_per_group=hpg)
+    else:
+        # Group geometry is that of the packed array the caller will allocate.
+        for i, (_, _, hpg) in enumerate(split(b_, s_, d_, 0, 0, d_, 1)):
+            slabs[i] = slabs[i]._replace(heads_per_group=hpg)
+    return slabs, b_, s_, d_, dtype, device

@@ -4,7 +4,7 @@
 // is theta = p * inv_freq[f]; a thread needs cos(theta) and sin(theta) for
 // PAIRS consecutive frequencies and reuses them for every head it rotates.
 #pragma once
-#include "params.cuh"
+#include "positions.cuh"
 
 namespace rope {
 
@@ -47,11 +47,18 @@ __device__ __forceinline__ void load_row(const void* base, i64 offset, i64 col_s
 }
 
 // cos and sin of the angles of frequencies [f0, f0 + PAIRS) at position pos.
-// A position outside the table yields NaN instead of an out-of-bounds read.
+// A position outside the table, or a token without one (valid == false),
+// yields NaN instead of an out-of-bounds read.
 template <int SOURCE, typename AngleT, int PAIRS, bool TABLE_STRIDED>
-__device__ __forceinline__ void angles(const Params& p, i64 pos, int f0,
+__device__ __forceinline__ void angles(const Params& p, i64 pos, bool valid, int f0,
                                        float (&c)[PAIRS], float (&s)[PAIRS]) {
   const i64 cos_col = static_cast<i64>(f0) * p.cos_stride_col;
+  const bool inside = valid && (SOURCE == INV_FREQ || (pos >= 0 && pos < p.max_position));
+  if (!inside) {
+#pragma unroll
+    for (int i = 0; i < PAIRS; ++i) c[i] = s[i] = __int_as_float(0x7fffffff);
+    return;
+  }
   if constexpr (SOURCE == INV_FREQ) {
     float inv_freq[PAIRS];
     load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, cos_col, p.cos_stride_col, inv_freq);
@@ -62,12 +69,6 @@ __device__ __forceinline__ void angles(const Params& p, i64 pos, int f0,
       sincosf(r, &s[i], &c[i]);
     }
   } else {
-    const bool inside = pos >= 0 && pos < p.max_position;
-    if (!inside) {
-#pragma unroll
-      for (int i = 0; i < PAIRS; ++i) c[i] = s[i] = __int_as_float(0x7fffffff);
-      return;
-    }
     if constexpr (SOURCE == TABLE) {
       load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, pos * p.cos_stride_row + cos_col,
                                              p.cos_stride_col, c);

@@ -1,58 +1,98 @@
 // The launch parameters, passed by value as the kernel's single argument.
 //
-// cupy_rope/launch.py builds the same struct with ctypes; the two must list
-// the same fields in the same order. Every field is 8 bytes wide (the float
-// sits in an 8-byte slot) so that both sides agree on the layout.
+// cupy_rope/launch.py builds the same struct with the struct module; the two
+// must list the same fields in the same order (a CPU test checks it). Every
+// field is 8 bytes wide (the float sits in an 8-byte slot) so that both
+// sides agree on the layout.
+//
+// The struct starts with the values that change from call to call (data
+// pointers and the scalar position offset): the launcher keeps one packed
+// copy per call signature and rewrites only that leading block per call.
 #pragma once
 #include "dtype.cuh"
 
 namespace rope {
 
-// A strided view of a [tokens, heads, head_dim] slab. Tokens are addressed
-// by two indices (outer, inner) so that bshd, sbhd and any permuted or
-// sliced 4-D view map onto one kernel; strides are in elements.
+constexpr int MAX_SLABS = 3;  // q, k, v
+constexpr int MAX_THREADS = 256;  // threads per block (cupy_rope/launch.py THREADS_PER_BLOCK)
+constexpr int MAX_BLOCK_TOKENS = MAX_THREADS;  // tokens one block can cover
+#ifndef ROPE_MIN_BLOCKS_PER_SM  // scripts/tune.py tries other values
+#define ROPE_MIN_BLOCKS_PER_SM 2
+#endif
+// Register budget: this many full blocks resident per SM.
+constexpr int MIN_BLOCKS_PER_SM = ROPE_MIN_BLOCKS_PER_SM;
+
+// Strides (in elements) of one [tokens, heads, head_dim] slab. Tokens are
+// addressed by two indices (outer, inner) so that bshd, sbhd, thd and any
+// permuted or sliced view map onto one kernel. Heads are addressed in groups
+// so that packed QKV layouts with several q heads per kv group work without
+// copies: head j sits at (j / heads_per_group) * stride_group +
+// (j % heads_per_group) * stride_head.
 struct View {
-  void* data;
   i64 stride_outer;
   i64 stride_inner;
+  i64 stride_group;
   i64 stride_head;
   i64 stride_dim;
 };
 
-struct Params {
-  View x;    // input
-  View out;  // output; equal to x when rotating in place
+// One tensor of the launch (q, k or v) and the blocks that handle it:
+// blockIdx.x in [block_begin, block_begin + token_blocks * head groups). A
+// block of this slab uses head_lanes of the blockDim.y lanes for heads and
+// the rest for more tokens, so that a slab with few heads (k under GQA)
+// still gives every thread several heads to load at once.
+struct Slab {
+  View x;
+  View out;
+  i64 block_begin;
+  i64 token_blocks;     // blocks along the tokens
+  i64 head_lanes;       // divides blockDim.y
+  i64 heads_per_block;  // heads of one head group (a multiple of head_lanes)
+  i64 n_heads;
+  i64 heads_per_group;  // >= n_heads for a plain (ungrouped) head axis
+  i64 rotate;           // 0: copy the heads unchanged (v of a fused QKV split)
+};
 
+struct Params {
+  // ---- per call: data pointers and the scalar offset ----
+  const void* x_data[MAX_SLABS];
+  void* out_data[MAX_SLABS];  // equal to x_data when rotating in place
   // Angle source. TABLE: cos and sin tables [max_position, rotary_dim / 2].
   // ANGLE_TABLE: angles [max_position, rotary_dim / 2] in `cos`.
   // INV_FREQ: inv_freq [rotary_dim / 2] in `cos`.
   const void* cos;
   const void* sin;
+  const void* positions;  // explicit positions (POS_MODE == EXPLICIT)
+  const void* offsets;    // per batch entry (or per sequence for VARLEN); may be null
+  const int* cu_seqlens;  // [n_seqs + 1] (POS_MODE == VARLEN)
+  i64 offset;             // added to every position
+
+  // ---- fixed for a call signature ----
+  Slab slab[MAX_SLABS];
+  i64 n_slabs;
+
   i64 cos_stride_row;
   i64 sin_stride_row;
   i64 cos_stride_col;  // 1 on the vector path
   i64 sin_stride_col;
-  i64 max_position;      // rows in the tables; larger positions give NaN
+  i64 max_position;  // rows in the tables; positions outside give NaN
 
-  // Position of token (outer, inner):
-  //   pos = (positions ? positions[outer * pos_stride_outer + inner * pos_stride_inner]
-  //                    : outer * seq_stride_outer + inner * seq_stride_inner)
-  //       + (offsets ? offsets[outer * off_stride_outer + inner * off_stride_inner] : 0)
-  //       + offset
-  const void* positions;
-  const void* offsets;
+  // Position of token (outer, inner), see kernels/positions.cuh.
   i64 pos_stride_outer;
   i64 pos_stride_inner;
+  i64 pos_is_64;  // positions are int64 (else int32)
   i64 off_stride_outer;
   i64 off_stride_inner;
-  i64 seq_stride_outer;
-  i64 seq_stride_inner;
-  i64 offset;
+  i64 off_is_64;
+  i64 seq_stride_outer;  // sequence index = outer * seq_stride_outer
+  i64 seq_stride_inner;  //                + inner * seq_stride_inner
+  i64 n_seqs;            // VARLEN: sequences in cu_seqlens
+  i64 cp_size;           // context parallel: 1 = off
+  i64 cp_rank;
+  i64 cp_chunk;  // IMPLIED with cp_size > 1: local sequence length / 2
 
   i64 n_outer;
   i64 n_inner;
-  i64 n_heads;
-  i64 heads_per_group;  // heads covered by one blockIdx.y
 
   float sin_sign;  // +1 forward, -1 backward (rotation by -theta)
   float pad_;

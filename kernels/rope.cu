@@ -1,6 +1,7 @@
-// Rotary position embedding, forward and backward, for a strided
-// [tokens, heads, head_dim] view (bshd, sbhd and permuted 4-D views map onto
-// it through Params::View).
+// Rotary position embedding, forward and backward, for up to three strided
+// [tokens, heads, head_dim] tensors in one launch (q and k with any head
+// counts, and v of a fused QKV split, which is copied). bshd, sbhd, thd and
+// permuted or packed views map onto it through Params (kernels/params.cuh).
 //
 // Channel pairs (a, b) of the first ROTARY_DIM channels rotate by theta_f:
 //   a' = a cos(theta_f) - b sin(theta_f)
@@ -16,20 +17,46 @@
 //   threadIdx.x: an item of one head. Items [0, ROT_ITEMS) each rotate PAIRS
 //                pairs; items [ROT_ITEMS, ROT_ITEMS + TAIL_ITEMS) each copy
 //                TAIL_VEC tail channels.
-//   threadIdx.y: head lane; a thread walks the heads of its group with step
-//                blockDim.y, UNROLL heads per pass (their loads all issued
-//                before the first store), computing cos/sin once for all.
-//   threadIdx.z: token lane; blockIdx.x * blockDim.z + threadIdx.z is the token.
-//   blockIdx.y:  head group of Params::heads_per_group heads (several groups
-//                when there are few tokens, so that small calls fill the GPU).
+//   threadIdx.y: head lane (of the slab's head_lanes; the lanes beyond take
+//                further tokens); a thread walks the heads of its block with
+//                step head_lanes, UNROLL heads per pass (their loads all
+//                issued before the first store), computing cos/sin once.
+//   threadIdx.z: token lane.
+//   blockIdx.x:  slab (q, k, v), head group and token block. Every block
+//                sees one slab only, so the per-head work is the same as for
+//                one tensor; several head groups split the heads when there
+//                are few tokens (decode), so that small calls fill the GPU.
 #include "angles.cuh"
 
 namespace rope {
 
-template <typename T, typename AngleT, typename PosT, typename OffT, int HEAD_DIM,
-          int ROTARY_DIM, bool INTERLEAVED, int SOURCE, int PAIRS, int TAIL_VEC,
-          bool STRIDED, bool TABLE_STRIDED, bool COPY_TAIL, int UNROLL>
-__global__ void rope_kernel(const Params p) {
+// Element offsets of head j of a slab in its input and output.
+__device__ __forceinline__ void head_offsets(const Slab& sl, i64 j, i64& xo, i64& oo) {
+  if (sl.heads_per_group >= sl.n_heads) {
+    xo = j * sl.x.stride_head;
+    oo = j * sl.out.stride_head;
+  } else {  // packed QKV groups
+    const i64 g = j / sl.heads_per_group, jj = j - g * sl.heads_per_group;
+    xo = g * sl.x.stride_group + jj * sl.x.stride_head;
+    oo = g * sl.out.stride_group + jj * sl.out.stride_head;
+  }
+}
+
+// The slab of this block (block-uniform): slab k covers blockIdx.x from
+// slab[k].block_begin on. Selected with compile-time indices only, so the
+// parameter struct is never copied to local memory.
+__device__ __forceinline__ int block_slab(const Params& p) {
+  int k = 0;
+#pragma unroll
+  for (int i = 1; i < MAX_SLABS; ++i)
+    if (i < p.n_slabs && blockIdx.x >= p.slab[i].block_begin) k = i;
+  return k;
+}
+
+template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERLEAVED,
+          int SOURCE, int PAIRS, int TAIL_VEC, bool STRIDED, bool TABLE_STRIDED, bool COPY_TAIL,
+          int UNROLL, int POS_MODE>
+__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS_PER_SM) rope_kernel(const Params p) {
   static_assert(HEAD_DIM % 2 == 0 && ROTARY_DIM % 2 == 0, "even dims");
   static_assert(ROTARY_DIM <= HEAD_DIM, "rotary_dim <= head_dim");
   constexpr int HALF = ROTARY_DIM / 2;
@@ -42,99 +69,132 @@ __global__ void rope_kernel(const Params p) {
   constexpr int PACKETS = INTERLEAVED ? 1 : 2;
   constexpr int WIDTH = INTERLEAVED ? 2 * PAIRS : PAIRS;
 
-  const i64 token = static_cast<i64>(blockIdx.x) * blockDim.z + threadIdx.z;
-  if (token >= p.n_outer * p.n_inner) return;
+  const int k = block_slab(p);
+  Slab sl = p.slab[0];
+  const void* x_data = p.x_data[0];
+  void* out_data = p.out_data[0];
+#pragma unroll
+  for (int i = 1; i < MAX_SLABS; ++i) {
+    if (k == i) {
+      sl = p.slab[i];
+      x_data = p.x_data[i];
+      out_data = p.out_data[i];
+    }
+  }
+  // This block: head group `group`, token block `tb` of its slab. Lanes
+  // beyond the slab's head_lanes take further tokens.
+  const i64 b = static_cast<i64>(blockIdx.x) - sl.block_begin;
+  const i64 group = b / sl.token_blocks;
+  const i64 tb = b - group * sl.token_blocks;
+  const int lanes = static_cast<int>(sl.head_lanes);
+  const int mult = blockDim.y / lanes;
+  const int head_lane = threadIdx.y % lanes;
+  const int token_lane = threadIdx.z * mult + threadIdx.y / lanes;
+  const int block_tokens = blockDim.z * mult;
+
+  const i64 n_tokens = p.n_outer * p.n_inner;
+  const i64 first = tb * block_tokens;
+  const i64 token = first + token_lane;
+  i64 seq = 0;
+  if constexpr (POS_MODE == VARLEN) {
+    __shared__ int seq_of_lane[MAX_BLOCK_TOKENS];
+    find_block_sequences(p, first, min(first + block_tokens, n_tokens) - 1, block_tokens,
+                         seq_of_lane);
+    __syncthreads();
+    seq = seq_of_lane[token_lane];
+  }
+  if (token >= n_tokens) return;
   const i64 outer = token / p.n_inner;
   const i64 inner = token - outer * p.n_inner;
 
   const int item = threadIdx.x;
-  const i64 h_begin = static_cast<i64>(blockIdx.y) * p.heads_per_group;
-  const i64 h_end = min(p.n_heads, h_begin + p.heads_per_group);
-  const i64 h_step = blockDim.y;
+  const i64 h_begin = group * sl.heads_per_block;
+  const i64 h_end = min(sl.n_heads, h_begin + sl.heads_per_block);
+  const i64 h_step = lanes;
 
-  const T* x = static_cast<const T*>(p.x.data) + outer * p.x.stride_outer +
-               inner * p.x.stride_inner;
-  T* out = static_cast<T*>(p.out.data) + outer * p.out.stride_outer +
-           inner * p.out.stride_inner;
-  const i64 xd = p.x.stride_dim, od = p.out.stride_dim;
-  const i64 xh = p.x.stride_head, oh = p.out.stride_head;
+  const T* x = static_cast<const T*>(x_data) + outer * sl.x.stride_outer +
+               inner * sl.x.stride_inner;
+  T* out = static_cast<T*>(out_data) + outer * sl.out.stride_outer + inner * sl.out.stride_inner;
+  const i64 xd = sl.x.stride_dim, od = sl.out.stride_dim;
 
   if (item < ROT_ITEMS) {
-    i64 pos = p.positions
-                  ? static_cast<i64>(static_cast<const PosT*>(
-                        p.positions)[outer * p.pos_stride_outer + inner * p.pos_stride_inner])
-                  : outer * p.seq_stride_outer + inner * p.seq_stride_inner;
-    if (p.offsets)
-      pos += static_cast<i64>(static_cast<const OffT*>(
-          p.offsets)[outer * p.off_stride_outer + inner * p.off_stride_inner]);
-    pos += p.offset;
-
+    i64 pos = 0;
+    const bool valid = token_position<POS_MODE>(p, token, outer, inner, seq, pos);
     const int f0 = item * PAIRS;
     float c[PAIRS], s[PAIRS];
-    angles<SOURCE, AngleT, PAIRS, TABLE_STRIDED>(p, pos, f0, c, s);
+    angles<SOURCE, AngleT, PAIRS, TABLE_STRIDED>(p, pos, valid, f0, c, s);
 
-    // Offsets of this item's packets inside a head: channel STEP * f0, and
-    // for NeoX also channel HALF + f0.
+    // This item's packets inside a head: channel STEP * f0, and for NeoX
+    // also channel HALF + f0.
     constexpr int STEP = INTERLEAVED ? 2 : 1;
-    const i64 xo[2] = {STEP * f0 * xd, (f0 + HALF) * xd};
-    const i64 oo[2] = {STEP * f0 * od, (f0 + HALF) * od};
+    const i64 ch[2] = {STEP * f0, f0 + HALF};
+    const bool rotate = sl.rotate != 0;
 
     // UNROLL heads per pass: all loads first, then rotate and store.
-    for (i64 h0 = h_begin + threadIdx.y; h0 < h_end; h0 += h_step * UNROLL) {
+    for (i64 h0 = h_begin + head_lane; h0 < h_end; h0 += h_step * UNROLL) {
+      i64 oo[UNROLL];
       Packet<T, WIDTH> raw[UNROLL][PACKETS];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const i64 h = h0 + u * h_step;
         if (h < h_end) {
+          i64 xo;
+          head_offsets(sl, h, xo, oo[u]);
 #pragma unroll
-          for (int k = 0; k < PACKETS; ++k)
-            raw[u][k] = load_raw<T, WIDTH, STRIDED>(x + h * xh + xo[k], xd);
+          for (int q = 0; q < PACKETS; ++q)
+            raw[u][q] = load_raw<T, WIDTH, STRIDED>(x + xo + ch[q] * xd, xd);
         }
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const i64 h = h0 + u * h_step;
-        if (h < h_end) {
-          if constexpr (INTERLEAVED) {
-            float v[WIDTH];
-            to_floats(raw[u][0], v);
+        if (h0 + u * h_step >= h_end) continue;
+        T* o = out + oo[u];
+        if (!rotate) {  // v of a fused QKV split
 #pragma unroll
-            for (int i = 0; i < PAIRS; ++i) {
-              const float a = v[2 * i], b = v[2 * i + 1];
-              v[2 * i] = a * c[i] - b * s[i];
-              v[2 * i + 1] = b * c[i] + a * s[i];
-            }
-            store<T, WIDTH, STRIDED>(out + h * oh + oo[0], od, v);
-          } else {
-            float a[PAIRS], b[PAIRS];
-            to_floats(raw[u][0], a);
-            to_floats(raw[u][1], b);
+          for (int q = 0; q < PACKETS; ++q)
+            store_raw<T, WIDTH, STRIDED>(o + ch[q] * od, od, raw[u][q]);
+        } else if constexpr (INTERLEAVED) {
+          float v[WIDTH];
+          to_floats(raw[u][0], v);
 #pragma unroll
-            for (int i = 0; i < PAIRS; ++i) {
-              const float ai = a[i], bi = b[i];
-              a[i] = ai * c[i] - bi * s[i];
-              b[i] = bi * c[i] + ai * s[i];
-            }
-            store<T, PAIRS, STRIDED>(out + h * oh + oo[0], od, a);
-            store<T, PAIRS, STRIDED>(out + h * oh + oo[1], od, b);
+          for (int i = 0; i < PAIRS; ++i) {
+            const float a = v[2 * i], b = v[2 * i + 1];
+            v[2 * i] = a * c[i] - b * s[i];
+            v[2 * i + 1] = b * c[i] + a * s[i];
           }
+          store<T, WIDTH, STRIDED>(o + ch[0] * od, od, v);
+        } else {
+          float a[PAIRS], b[PAIRS];
+          to_floats(raw[u][0], a);
+          to_floats(raw[u][1], b);
+#pragma unroll
+          for (int i = 0; i < PAIRS; ++i) {
+            const float ai = a[i], bi = b[i];
+            a[i] = ai * c[i] - bi * s[i];
+            b[i] = bi * c[i] + ai * s[i];
+          }
+          store<T, PAIRS, STRIDED>(o + ch[0] * od, od, a);
+          store<T, PAIRS, STRIDED>(o + ch[1] * od, od, b);
         }
       }
     }
   } else if constexpr (COPY_TAIL && TAIL > 0) {
     const i64 ch = ROTARY_DIM + static_cast<i64>(item - ROT_ITEMS) * TAIL_VEC;
-    for (i64 h0 = h_begin + threadIdx.y; h0 < h_end; h0 += h_step * UNROLL) {
+    for (i64 h0 = h_begin + head_lane; h0 < h_end; h0 += h_step * UNROLL) {
+      i64 oo[UNROLL];
       Packet<T, TAIL_VEC> raw[UNROLL];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const i64 h = h0 + u * h_step;
-        if (h < h_end) raw[u] = load_raw<T, TAIL_VEC, STRIDED>(x + h * xh + ch * xd, xd);
+        if (h < h_end) {
+          i64 xo;
+          head_offsets(sl, h, xo, oo[u]);
+          raw[u] = load_raw<T, TAIL_VEC, STRIDED>(x + xo + ch * xd, xd);
+        }
       }
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const i64 h = h0 + u * h_step;
-        if (h < h_end) store_raw<T, TAIL_VEC, STRIDED>(out + h * oh + ch * od, od, raw[u]);
-      }
+      for (int u = 0; u < UNROLL; ++u)
+        if (h0 + u * h_step < h_end) store_raw<T, TAIL_VEC, STRIDED>(out + oo[u] + ch * od, od, raw[u]);
     }
   }
 }

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU test suite plus the benchmark, in one call on the GPU machine:
 #   bash scripts/gpu_suite.sh            (logs under $OUT, or ./gpu-logs)
-# Runs from the work tree against the preinstalled packages (no install).
+# Runs from the work tree against the preinstalled packages (no install of
+# cupy-rope itself). Wheels carried in .whl/ (e.g. Liger, a benchmark peer)
+# are installed to /tmp/site first. Environment knobs: GPU_TEST_WORKERS,
+# PYTEST_ARGS, BENCH_ARGS, TEST_TIMEOUT, BENCH_TIMEOUT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-logs}
@@ -11,17 +14,24 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-rope-kernel-cache}
 PY=${PYTHON:-python3}
 
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 $PY -c "import cupy, torch, jax; print('cupy', cupy.__version__, 'torch', torch.__version__, 'jax', jax.__version__)" 2>&1 | tee "$OUT/versions.txt"
 
-workers=${GPU_TEST_WORKERS:-8}
+workers=${GPU_TEST_WORKERS:-16}
 xdist=""
 $PY -c "import xdist" 2>/dev/null && xdist="-n $workers"
-status=0
-$PY -m pytest tests $xdist -q -p no:cacheprovider -rfEs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
-status=${PIPESTATUS[0]}
+timeout "${TEST_TIMEOUT:-420}" $PY -m pytest tests $xdist -q -p no:cacheprovider \
+  -W ignore::pytest.PytestWarning -rfEs ${PYTEST_ARGS:-} > "$OUT/tests.log" 2>&1
+status=$?
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | grep -v Warning | tail -30
 
-$PY -m cupy_rope.bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
+timeout "${BENCH_TIMEOUT:-240}" $PY -m cupy_rope.bench --json "$OUT/bench.json" \
+  --plot "$OUT/bench.png" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+[ $? = 0 ] || status=1
+tail -60 "$OUT/bench.log"
 echo "gpu suite exit status: $status"
 exit $status

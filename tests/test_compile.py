@@ -36,8 +36,8 @@ def test_other_architectures_compile(arch):
 
 
 def test_compile_error_is_reported():
-    bad = specialize.Spec("float32", "float32", "int32", "int32", 8, 6, False, "table",
-                          4, 1, False, False, True, 4)  # 4 pairs do not divide 3
+    bad = specialize.Spec("float32", "float32", 8, 6, False, "table", 4, 1, False, False, True,
+                          4, "implied")  # 4 pairs do not divide 3
     with pytest.raises(specialize.CompileError, match="PAIRS divides"):
         specialize.compile_for_arch([bad], "sm_90")
 
@@ -46,18 +46,27 @@ def test_params_struct_matches_kernel_header():
     """launch.PARAM_FIELDS lists rope::Params' fields in the header's order."""
     text = (specialize.KERNEL_DIR / "params.cuh").read_text()
     text = re.sub(r"//[^\n]*", "", text)
+    slabs = int(re.search(r"MAX_SLABS = (\d+);", text).group(1))
+    assert slabs == launch.MAX_SLABS
 
     def fields(struct):
         body = re.search(r"struct %s \{(.*?)\};" % struct, text, re.S).group(1)
-        return [m.group(2) for m in re.finditer(r"(\w[\w\s\*]*?)\s+(\w+);", body)]
+        return [(m.group(1).split()[-1].strip("*"), m.group(2), m.group(3))
+                for m in re.finditer(r"([\w\s\*]*?)\s*\b(\w+)(\[MAX_SLABS\])?;", body)]
 
-    expanded = []
-    for name in fields("Params"):
-        if name in ("x", "out"):
-            expanded += [f"{name}.{f}" for f in fields("View")]
-        else:
-            expanded.append(name)
-    assert expanded == [name for name, _ in launch.PARAM_FIELDS]
+    def expand(struct, prefix=""):
+        names = []
+        for type_, name, array in fields(struct):
+            for i in range(slabs) if array else [None]:
+                full = prefix + name + (f"[{i}]" if i is not None else "")
+                if type_ in ("View", "Slab"):
+                    names += expand(type_, full + ".")
+                else:
+                    names.append(full)
+        return names
+
+    assert expand("Params") == [name for name, _ in launch.PARAM_FIELDS]
+    assert launch.PARAMS_SIZE == sum(8 if c in "qQ" else 4 for _, c in launch.PARAM_FIELDS)
 
 
 def test_kernel_source_is_self_contained():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from cupy_rope import reference
+from cupy_rope import reference, validate
 from cupy_rope.validate import check_call
 
 
@@ -109,6 +109,6 @@ def test_numpy_path_out_and_inplace(rng):
 def test_reference_positions_of(rng):
     x = np.zeros((2, 3, 1, 2))
     call = check_call(x, inv_freq=np.ones(1), offsets=np.array([5, 7]))
-    np.testing.assert_array_equal(reference.positions_of(call), [[5, 6, 7], [7, 8, 9]])
+    np.testing.assert_array_equal(validate.host_positions(call), [[5, 6, 7], [7, 8, 9]])
     call = check_call(x, inv_freq=np.ones(1), positions=np.array([4, 1, 2]), offsets=3)
-    np.testing.assert_array_equal(reference.positions_of(call), [[7, 4, 5], [7, 4, 5]])
+    np.testing.assert_array_equal(validate.host_positions(call), [[7, 4, 5], [7, 4, 5]])

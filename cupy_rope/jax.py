@@ -1,0 +1,401 @@
+"""JAX adapter: differentiable RoPE that runs eagerly and inside ``jax.jit``.
+
+``import cupy_rope.jax`` (``import cupy_rope`` alone never imports JAX) gives
+
+- :func:`rope` (alias :func:`apply_rope`): rotated copy of x,
+- :func:`rope_qk` (alias :func:`apply_rope_qk`): rotated q and k in one launch,
+- :func:`rope_qkv` (alias :func:`apply_rope_qkv`): packed qkv -> (q, k, v),
+
+with the keyword arguments of :func:`cupy_rope.apply_rope` (``docs/api.md``).
+Each is a ``jax.custom_vjp`` whose backward runs the same kernel rotating by
+-theta (``jax.grad`` never differentiates through the kernel launch); for
+``rope_qkv`` the backward is :func:`cupy_rope.apply_rope_qkv_backward`, which
+packs dq, dk, dv back. Gradients flow to x / q / k / qkv only: angle tables,
+positions and offsets get zero cotangents. JAX arrays are immutable, so
+there are no in-place variants.
+
+How the kernel gets into an XLA program
+---------------------------------------
+``jax.experimental.buffer_callback`` (JAX >= 0.7). The op lowers to an XLA
+FFI custom call (target ``xla_buffer_python_gpu_callback``) that, when the
+compiled program reaches it, calls our Python function on the host thread
+that is enqueueing XLA's work, with an ``ExecutionContext`` whose ``stream``
+is XLA's CUDA stream for this computation, the output buffers XLA has
+already allocated, and the input buffers, all as
+``jax.experimental.buffer_callback.Buffer`` objects (device pointers exposed
+through ``__cuda_array_interface__`` and ``__dlpack__``). We wrap them as CuPy
+arrays over XLA's memory (no copy), make CuPy's current stream that XLA
+stream (``cupy.cuda.Stream.from_external``) and launch the NVRTC kernel
+writing straight into XLA's output buffer. Nothing synchronizes and no data
+leaves the device (jaxlib's handler only wraps the buffers and calls Python;
+unlike ``pure_callback`` it copies nothing and does not synchronize the
+stream): the kernel is ordered after the producers of its inputs and before
+its consumers by the stream itself. The same path serves eager calls (JAX
+compiles the single op) and ``jax.jit``. Checked with jax 0.11.2 on an H100:
+inside a jitted program whose ~20 ms matmul chain produces the op's input,
+the callback runs about 2 ms after dispatch starts (so nothing waited for the
+chain) and its kernel still reads the final input, call after call with new
+data.
+
+Alternatives considered:
+
+- ``jax.ffi.ffi_call`` needs an XLA FFI handler: a C function compiled against
+  ``xla/ffi/api/ffi.h`` and registered through a PyCapsule. This package has
+  no compiled host code (the kernels are compiled by NVRTC at run time), so
+  there is no handler to register from pure Python; ``buffer_callback`` is
+  exactly JAX's built-in handler that forwards to Python.
+- ``jax.pure_callback`` copies every operand to host memory and the result
+  back, and synchronizes the device; unacceptable inside ``jit``, not used.
+
+Limits: the callback holds the GIL while it checks arguments and launches
+(host time per op, on XLA's dispatching thread); it is not marked
+``command_buffer_compatible`` (XLA would record the launch once into a CUDA
+graph and replay it with the first call's pointers), so XLA runs it outside
+its command buffers; ``jax.vmap`` is not supported (batch by adding a batch
+axis instead); forward-mode differentiation (``jax.jvp``) is not supported
+(``custom_vjp``); a single device per call (no sharding rule). CPU arrays run
+the library's float64 NumPy reference inside the callback.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.buffer_callback import buffer_callback
+
+from . import api
+
+__all__ = ["rope", "rope_qk", "rope_qkv", "apply_rope", "apply_rope_qk", "apply_rope_qkv"]
+
+_ARRAY_NAMES = ("cos", "sin", "inv_freq", "freqs", "positions", "offsets", "cu_seqlens")
+_DL_CUDA, _DL_CUDA_MANAGED = 2, 13
+
+
+class _Static(NamedTuple):
+    """Hashable description of a call: which array arguments, and the static keywords."""
+
+    names: tuple  # names of the angle/position arrays passed after the data arrays
+    kw: tuple  # sorted (name, value) pairs of non-array library keywords
+
+
+def _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens, layout, cp_size,
+             cp_rank, interleaved, rotary_dim, head_dim, extra=()):
+    arrays, names, kw = [], [], dict(extra)
+    for name, v in zip(_ARRAY_NAMES, (cos, sin, inv_freq, freqs, positions, offsets,
+                                      cu_seqlens)):
+        if v is None:
+            continue
+        if name == "offsets" and isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+            if int(v):
+                kw["offsets"] = int(v)
+            continue
+        names.append(name)
+        arrays.append(jnp.asarray(v))
+    if layout != "bshd":
+        kw["layout"] = layout
+    if interleaved:
+        kw["interleaved"] = True
+    if rotary_dim is not None:
+        kw["rotary_dim"] = int(rotary_dim)
+    if head_dim is not None:
+        kw["head_dim"] = int(head_dim)
+    if cp_size != 1 or cp_rank != 0:
+        kw["cp_size"], kw["cp_rank"] = int(cp_size), int(cp_rank)
+    return _Static(tuple(names), tuple(sorted(kw.items()))), tuple(arrays)
+
+
+# ------------------------------------------------------- inside the callback --
+def _device(buf):
+    dev_type, dev_id = buf.__dlpack_device__()
+    return int(dev_type) in (_DL_CUDA, _DL_CUDA_MANAGED), int(dev_id)
+
+
+class _DLPackView:
+    """An XLA buffer seen only through DLPack (for dtypes CuPy cannot hold)."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self, buf):
+        self._buf = buf
+
+    def __dlpack__(self, stream=None, **kwargs):
+        # Already on XLA's stream inside the callback: nothing to order.
+        return self._buf.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self._buf.__dlpack_device__()
+
+
+def _view(buf):
+    """A library-ready view of an XLA buffer (no copy).
+
+    GPU: a CuPy array over the buffer's memory (the library's cached fast
+    path), or a DLPack view where this CuPy has no such dtype (bfloat16
+    before CuPy 14); CPU: a NumPy array (the reference path).
+    """
+    on_gpu, dev_id = _device(buf)
+    if not on_gpu:
+        return np.asarray(buf)
+    import cupy
+
+    dtype = np.dtype(buf.dtype)
+    shape = tuple(int(n) for n in buf.shape)
+    try:
+        cdtype = cupy.dtype(dtype)
+    except TypeError:
+        return _DLPackView(buf)
+    ptr = int(buf.__cuda_array_interface__["data"][0])
+    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, buf, dev_id)
+    return cupy.ndarray(shape, cdtype, cupy.cuda.MemoryPointer(mem, 0))
+
+
+def _launch(ctx, first_buf, fn):
+    """Run ``fn()`` with CuPy's current device and stream set to XLA's."""
+    on_gpu, dev_id = _device(first_buf)
+    if not on_gpu:
+        fn()
+        return
+    import cupy
+    from cupy.cuda import driver, runtime
+
+    if driver.ctxGetCurrent() == 0:  # a host thread with no CUDA context yet
+        runtime.setDevice(dev_id)
+    with cupy.cuda.Device(dev_id):
+        with _cupy_stream(int(ctx.stream), dev_id):
+            fn()
+
+
+class _StreamHandle:
+    """XLA's stream handle, offered through the CUDA stream protocol."""
+
+    __slots__ = ("_ptr",)
+
+    def __init__(self, ptr: int):
+        self._ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self._ptr)
+
+
+def _cupy_stream(ptr: int, dev_id: int):
+    """A CuPy stream object for a raw handle it does not own."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy >= 14
+    if from_external is not None:
+        return from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr, dev_id)
+
+
+@functools.lru_cache(maxsize=None)
+def _callback(op: str, static: _Static, backward: bool):
+    """One callable per (op, static, direction): XLA caches programs on its identity."""
+    n_in = {"rope": 1, "rope_qk": 2, "rope_qkv": 1, "rope_qkv_backward": 3}[op]
+
+    def callback(ctx, out, *args):
+        data, arrays = args[:n_in], args[n_in:]
+
+        def run():
+            kw = dict(static.kw)
+            kw.update({n: _view(a) for n, a in zip(static.names, arrays)})
+            ins = [_view(a) for a in data]
+            if op == "rope":
+                api.apply_rope(ins[0], out=_view(out), backward=backward, **kw)
+            elif op == "rope_qk":
+                api.apply_rope_qk(ins[0], ins[1], out_q=_view(out[0]),
+                                  out_k=_view(out[1]), backward=backward, **kw)
+            elif op == "rope_qkv":
+                api.apply_rope_qkv(ins[0], out_q=_view(out[0]),
+                                   out_k=_view(out[1]),
+                                   out_v=_view(out[2]), **kw)
+            else:
+                api.apply_rope_qkv_backward(ins[0], ins[1], ins[2],
+                                            out=_view(out), **kw)
+
+        _launch(ctx, data[0], run)
+
+    callback.__name__ = f"cupy_rope_{op}{'_backward' if backward else ''}"
+    return callback
+
+
+def _spec(a):
+    return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+# ---------------------------------------------------------------------- rope --
+def _rope_impl(static, backward, x, arrays):
+    return buffer_callback(_callback("rope", static, backward), _spec(x))(x, *arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rope(static, backward, x, arrays):
+    return _rope_impl(static, backward, x, arrays)
+
+
+def _rope_fwd(static, backward, x, arrays):
+    return _rope_impl(static, backward, x, arrays), arrays
+
+
+def _rope_bwd(static, backward, arrays, g):
+    return _rope_impl(static, not backward, g, arrays), None
+
+
+_rope.defvjp(_rope_fwd, _rope_bwd)
+
+
+def rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, offsets=None,
+         layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0, interleaved=False,
+         rotary_dim=None, head_dim=None, backward=False):
+    """Rotated copy of ``x`` (arguments as :func:`cupy_rope.apply_rope`).
+
+    Works eagerly and under ``jax.jit``; ``jax.grad`` runs the kernel with
+    ``backward`` flipped (rotation by -theta). ``offsets`` may be a Python int
+    (static) or an int array.
+    """
+    static, arrays = _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens,
+                              layout, cp_size, cp_rank, interleaved, rotary_dim, head_dim)
+    return _rope(static, bool(backward), jnp.asarray(x), arrays)
+
+
+# ------------------------------------------------------------------- q and k --
+def _rope_qk_impl(static, backward, q, k, arrays):
+    return tuple(buffer_callback(_callback("rope_qk", static, backward),
+                                 (_spec(q), _spec(k)))(q, k, *arrays))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rope_qk(static, backward, q, k, arrays):
+    return _rope_qk_impl(static, backward, q, k, arrays)
+
+
+def _rope_qk_fwd(static, backward, q, k, arrays):
+    return _rope_qk_impl(static, backward, q, k, arrays), arrays
+
+
+def _rope_qk_bwd(static, backward, arrays, grads):
+    dq, dk = _rope_qk_impl(static, not backward, grads[0], grads[1], arrays)
+    return dq, dk, None
+
+
+_rope_qk.defvjp(_rope_qk_fwd, _rope_qk_bwd)
+
+
+def rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None,
+            offsets=None, layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0,
+            interleaved=False, rotary_dim=None, head_dim=None, backward=False):
+    """Rotated copies of q [.., hq, d] and k [.., hk, d] in one launch."""
+    static, arrays = _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens,
+                              layout, cp_size, cp_rank, interleaved, rotary_dim, head_dim)
+    return _rope_qk(static, bool(backward), jnp.asarray(q), jnp.asarray(k), arrays)
+
+
+# ----------------------------------------------------------------- fused qkv --
+def _qkv_shapes(shape, hq, hk, head_dim, layout):
+    token_ndim = 1 if layout == "thd" else 2
+    tokens = tuple(shape[:token_ndim])
+    if len(shape) == token_ndim + 1:
+        d = head_dim if head_dim is not None else shape[-1] // (hq + 2 * hk)
+    elif len(shape) == token_ndim + 2:
+        d = shape[-1]
+    else:
+        raise ValueError(f"qkv: expected {token_ndim} token axes then [(hq + 2 hk) * d] or "
+                         f"[hq + 2 hk, d] for layout {layout!r}, got shape {list(shape)}")
+    return tokens, d
+
+
+def _qkv_impl(static, qkv, arrays, hq, hk, head_dim, layout):
+    tokens, d = _qkv_shapes(qkv.shape, hq, hk, head_dim, layout)
+    outs = (jax.ShapeDtypeStruct(tokens + (hq, d), qkv.dtype),
+            jax.ShapeDtypeStruct(tokens + (hk, d), qkv.dtype),
+            jax.ShapeDtypeStruct(tokens + (hk, d), qkv.dtype))
+    return tuple(buffer_callback(_callback("rope_qkv", static, False), outs)(qkv, *arrays))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _rope_qkv(static, bwd_static, geometry, qkv, arrays):
+    return _qkv_impl(static, qkv, arrays, *geometry[:4])
+
+
+def _rope_qkv_fwd(static, bwd_static, geometry, qkv, arrays):
+    return _qkv_impl(static, qkv, arrays, *geometry[:4]), arrays
+
+
+def _rope_qkv_bwd(static, bwd_static, geometry, arrays, grads):
+    packed = geometry[4]
+    dq, dk, dv = grads
+    out = jax.ShapeDtypeStruct(packed, dq.dtype)
+    dqkv = buffer_callback(_callback("rope_qkv_backward", bwd_static, True), out)(
+        dq, dk, dv, *arrays)
+    return dqkv, None
+
+
+_rope_qkv.defvjp(_rope_qkv_fwd, _rope_qkv_bwd)
+
+
+def _split_qkv(qkv, hq, hk, head_dim, packing, layout):
+    tokens, d = _qkv_shapes(qkv.shape, hq, hk, head_dim, layout)
+    heads = qkv.reshape(tokens + (hq + 2 * hk, d))
+    if packing == "concat":
+        return heads[..., :hq, :], heads[..., hq:hq + hk, :], heads[..., hq + hk:, :]
+    if packing == "grouped":
+        if hk < 1 or hq % hk:
+            raise ValueError(f"num_q_heads: must be a multiple of num_kv_heads for packing="
+                             f"'grouped', got {hq} and {hk}")
+        g = hq // hk
+        groups = heads.reshape(tokens + (hk, g + 2, d))
+        return (groups[..., :g, :].reshape(tokens + (hq, d)), groups[..., g, :],
+                groups[..., g + 1, :])
+    raise ValueError(f"packing: expected 'concat' or 'grouped', got {packing!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _named_params(fn) -> frozenset:
+    return frozenset(p.name for p in inspect.signature(fn).parameters.values()
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=None,
+             packing="concat", inv_freq=None, freqs=None, positions=None, offsets=None,
+             layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0, interleaved=False,
+             rotary_dim=None):
+    """Packed projection output -> (rotated q [.., hq, d], rotated k, v [.., hk, d]).
+
+    ``qkv``: token axes ([b, s] / [s, b] / [T]) then [(hq + 2 hk) * d] or
+    [hq + 2 hk, d]; ``packing`` "concat" or "grouped" (see ``docs/api.md``).
+    The gradient with respect to ``qkv`` comes back packed by
+    :func:`cupy_rope.apply_rope_qkv_backward`. If the library's
+    ``apply_rope_qkv`` cannot write into caller-provided outputs (``out_q``,
+    ``out_k``, ``out_v``), the split is done by XLA and q, k are rotated by
+    :func:`rope_qk` (gradients through XLA's slicing).
+    """
+    qkv = jnp.asarray(qkv)
+    hq, hk = int(num_q_heads), int(num_kv_heads)
+    args = (cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens, layout, cp_size,
+            cp_rank, interleaved, rotary_dim)
+    if {"out_q", "out_k", "out_v"} <= _named_params(api.apply_rope_qkv):
+        extra = {"num_q_heads": hq, "num_kv_heads": hk, "packing": packing}
+        static, arrays = _collect(*args, head_dim, extra=extra)
+        bwd_extra = {"packing": packing}
+        named = _named_params(api.apply_rope_qkv_backward)
+        bwd_extra.update({k: v for k, v in (("num_q_heads", hq), ("num_kv_heads", hk))
+                          if k in named})
+        # dq, dk, dv are [.., h, d]: the packed output's shape says the rest.
+        bwd_static, _ = _collect(*args, None, extra=bwd_extra)
+        geometry = (hq, hk, head_dim, layout, tuple(qkv.shape))
+        return _rope_qkv(static, bwd_static, geometry, qkv, arrays)
+    q, k, v = _split_qkv(qkv, hq, hk, head_dim, packing, layout)
+    static, arrays = _collect(*args, None)
+    q, k = _rope_qk(static, False, q, k, arrays)
+    return q, k, v
+
+
+apply_rope = rope
+apply_rope_qk = rope_qk
+apply_rope_qkv = rope_qkv

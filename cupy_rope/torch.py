@@ -1,0 +1,448 @@
+"""PyTorch adapter: autograd, ``torch.compile`` and CUDA-graph friendly RoPE ops.
+
+``import cupy_rope.torch`` (``import cupy_rope`` alone never imports torch)
+registers these operators in the ``cupy_rope`` namespace with
+:mod:`torch.library`:
+
+- ``rope``: x -> new rotated tensor (its backward: itself with ``backward``
+  flipped, i.e. rotation by -theta);
+- ``rope_``: x rotated in place (``mutates_args=("x",)``);
+- ``rope_qk``: (q, k) -> two new tensors in one launch; ``rope_qk_`` in place;
+- ``rope_qkv``: packed qkv -> new (q, k, v) (its backward: ``rope_qkv_backward``);
+- ``rope_qkv_backward``: (dq, dk, dv) -> packed dqkv (its backward: ``rope_qkv``);
+
+and wraps them in the Python functions below, which take the keyword
+arguments of :func:`cupy_rope.apply_rope` (see ``docs/api.md``):
+
+- :func:`rope` (alias :func:`apply_rope`), :func:`rope_` (in place),
+- :func:`rope_qk` (alias :func:`apply_rope_qk`), :func:`rope_qk_` (in place),
+- :func:`rope_qkv` (alias :func:`apply_rope_qkv`).
+
+Every op has a fake (meta) implementation, so ``torch.compile(fullgraph=True)``
+traces a model that uses them with no graph break, and a backward registered
+with ``torch.library.register_autograd``: the gradient of a rotation is the
+same op with ``backward=True`` (rotation by -theta); for the fused QKV op the
+backward op packs dq, dk, dv back into the layout of the packed input.
+Gradients flow to x / q / k / qkv only: the angle sources (``cos``, ``sin``,
+``cos_sin_cache``, ``inv_freq``, ``freqs``) are treated as constants.
+
+Kernels are enqueued on torch's current stream, outputs are allocated with
+``torch.empty_like`` / ``torch.empty`` (torch's caching allocator) and passed
+to the library as ``out=``, and nothing synchronizes, so the ops can be
+captured in a ``torch.cuda.CUDAGraph`` once each specialization has been
+compiled (run the op once before capturing, as torch's warm-up rule asks
+anyway: NVRTC compilation and module loading cannot happen during capture).
+
+In-place ops and autograd: torch cannot attach a backward formula to an
+operator that mutates its input, so :func:`rope_` / :func:`rope_qk_` run the
+mutating operator (no new buffer) when no gradient is being recorded for the
+inputs, and otherwise compute with the functional operator and ``copy_`` the
+result back (one temporary; autograd then sees an ordinary in-place copy).
+
+CPU tensors (float32/float64) run the library's float64 NumPy reference, which
+is slow but lets the autograd and compile plumbing be exercised without a GPU.
+"""
+
+import functools
+import inspect
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import api
+
+__all__ = ["rope", "rope_", "rope_qk", "rope_qk_", "rope_qkv", "apply_rope", "apply_rope_qk",
+           "apply_rope_qkv"]
+
+_NS = "cupy_rope"
+_ANGLE_NAMES = ("cos", "sin", "inv_freq", "freqs", "cos_sin_cache", "positions", "offsets",
+                "cu_seqlens")
+_NT = len(_ANGLE_NAMES)  # optional tensor arguments of every op, after the data tensors
+_NSTATIC = 7  # then: offset, layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank
+
+
+# ------------------------------------------------------------ call helpers --
+def _library_kwargs(tensors, offset, layout, interleaved, rotary_dim, head_dim, cp_size,
+                    cp_rank) -> dict:
+    """Keyword arguments for the library call; defaults are left out."""
+    kw = {n: t for n, t in zip(_ANGLE_NAMES, tensors) if t is not None}
+    if "offsets" not in kw and offset:
+        kw["offsets"] = int(offset)
+    if layout != "bshd":
+        kw["layout"] = layout
+    if interleaved:
+        kw["interleaved"] = True
+    if rotary_dim is not None:
+        kw["rotary_dim"] = int(rotary_dim)
+    if head_dim is not None:
+        kw["head_dim"] = int(head_dim)
+    if cp_size != 1 or cp_rank != 0:
+        kw["cp_size"], kw["cp_rank"] = int(cp_size), int(cp_rank)
+    return kw
+
+
+@functools.lru_cache(maxsize=None)
+def _named_params(fn) -> frozenset:
+    """The explicitly named parameters of a library function."""
+    return frozenset(p.name for p in inspect.signature(fn).parameters.values()
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def _host(t):
+    """A NumPy view of a CPU tensor (the library's reference path), or ``t``."""
+    if isinstance(t, Tensor) and t.device.type == "cpu":
+        if t.dtype not in (torch.float32, torch.float64, torch.int32, torch.int64):
+            raise TypeError(f"cupy_rope.torch: CPU tensors run the NumPy reference, which "
+                            f"supports float32/float64 only; got {t.dtype}")
+        return t.detach().numpy()
+    return t
+
+
+def _call(fn, *args, **kw):
+    """``fn(*args, **kw)``: CPU tensors go to the NumPy reference; on the GPU make
+    sure this thread has a CUDA context (autograd runs backward ops on its own
+    worker threads, which may have none yet)."""
+    x = args[0]
+    if x.device.type == "cpu":
+        args = tuple(_host(a) for a in args)
+        kw = {k: _host(v) for k, v in kw.items()}
+    else:
+        from cupy.cuda import driver, runtime
+
+        if driver.ctxGetCurrent() == 0:
+            runtime.setDevice(x.device.index if x.device.index is not None else 0)
+    return fn(*args, **kw)
+
+
+def _as_new_output(r: Tensor, like_storage: Tensor, shape) -> Tensor:
+    """Library result -> a contiguous tensor that aliases no input (fake-impl contract)."""
+    if not isinstance(r, Tensor):  # NumPy result of the reference path
+        r = torch.from_numpy(r)
+    if not r.is_contiguous():
+        r = r.contiguous()
+    elif r.untyped_storage().data_ptr() == like_storage.untyped_storage().data_ptr():
+        r = r.clone()
+    return r.view(shape)
+
+
+# The operators all take, after their data tensors, the same optional tensors
+# (_ANGLE_NAMES) and the same static arguments (offset, layout, interleaved,
+# rotary_dim, head_dim, cp_size, cp_rank); rope and rope_qk end with
+# ``backward``, rope_qkv with (num_q_heads, num_kv_heads, packing), and
+# rope_qkv_backward with those and the packed shape. Everything is positional
+# (register_autograd refuses keyword-only tensors).
+_COMMON = ("Tensor? cos, Tensor? sin, Tensor? inv_freq, Tensor? freqs, Tensor? cos_sin_cache, "
+           "Tensor? positions, Tensor? offsets, Tensor? cu_seqlens, SymInt offset, str layout, "
+           "bool interleaved, SymInt? rotary_dim, SymInt? head_dim, SymInt cp_size, "
+           "SymInt cp_rank")
+
+
+def _kwargs_of(common: tuple, head_dim=True) -> dict:
+    """Library keyword arguments from the common op arguments (tensors, then statics)."""
+    tensors, static = common[:_NT], common[_NT:]
+    offset, layout, interleaved, rotary_dim, hd, cp_size, cp_rank = static
+    return _library_kwargs(tensors, offset, layout, interleaved, rotary_dim,
+                           hd if head_dim else None, cp_size, cp_rank)
+
+
+def _define(name: str, data: str, extra: str, returns: str, impl, mutates=()):
+    """A ``torch.library.custom_op`` with an explicit schema; ``impl`` gets {name: arg}."""
+    params = f"{data}, {_COMMON}{extra}"
+    schema = f"({params}) -> {returns}"
+    names = [p.split()[-1] for p in params.split(",")]
+
+    def fn(*args):
+        return impl(dict(zip(names, args)))
+
+    fn.__name__ = name
+    return torch.library.custom_op(f"{_NS}::{name}", fn, mutates_args=mutates, schema=schema)
+
+
+_ORDER = _ANGLE_NAMES + ("offset", "layout", "interleaved", "rotary_dim", "head_dim", "cp_size",
+                         "cp_rank")
+
+
+def _common(a: dict) -> tuple:
+    return tuple(a[n] for n in _ORDER)
+
+
+# ------------------------------------------------------------ rope (one x) --
+def _rope_impl(a):
+    out = torch.empty_like(a["x"])
+    _call(api.apply_rope, a["x"], out=out, backward=a["backward"], **_kwargs_of(_common(a)))
+    return out
+
+
+def _rope_inplace_impl(a):
+    _call(api.apply_rope, a["x"], inplace=True, backward=a["backward"], **_kwargs_of(_common(a)))
+
+
+_rope_op = _define("rope", "Tensor x", ", bool backward", "Tensor", _rope_impl)
+_rope_inplace_op = _define("rope_", "Tensor(a!) x", ", bool backward", "()", _rope_inplace_impl,
+                           mutates=("x",))
+_rope_op.register_fake(lambda x, *args: torch.empty_like(x))
+_rope_inplace_op.register_fake(lambda x, *args: None)
+
+
+def _save_common(ctx, inputs, n_data):
+    ctx.save_for_backward(*inputs[n_data:n_data + _NT])
+    ctx.static = tuple(inputs[n_data + _NT:n_data + _NT + _NSTATIC])
+    ctx.rest = tuple(inputs[n_data + _NT + _NSTATIC:])
+
+
+def _rope_setup(ctx, inputs, output):
+    _save_common(ctx, inputs, 1)
+
+
+def _rope_backward(ctx, grad):
+    (backward,) = ctx.rest
+    dx = torch.ops.cupy_rope.rope(grad, *ctx.saved_tensors, *ctx.static, not backward)
+    return (dx,) + (None,) * (_NT + _NSTATIC + 1)
+
+
+_rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+# ----------------------------------------------------------------- q and k --
+def _rope_qk_impl(a):
+    out_q, out_k = torch.empty_like(a["q"]), torch.empty_like(a["k"])
+    _call(api.apply_rope_qk, a["q"], a["k"], out_q=out_q, out_k=out_k, backward=a["backward"],
+          **_kwargs_of(_common(a)))
+    return out_q, out_k
+
+
+def _rope_qk_inplace_impl(a):
+    _call(api.apply_rope_qk, a["q"], a["k"], inplace=True, backward=a["backward"],
+          **_kwargs_of(_common(a)))
+
+
+_rope_qk_op = _define("rope_qk", "Tensor q, Tensor k", ", bool backward", "(Tensor, Tensor)",
+                      _rope_qk_impl)
+_rope_qk_inplace_op = _define("rope_qk_", "Tensor(a!) q, Tensor(b!) k", ", bool backward", "()",
+                              _rope_qk_inplace_impl, mutates=("q", "k"))
+_rope_qk_op.register_fake(lambda q, k, *args: (torch.empty_like(q), torch.empty_like(k)))
+_rope_qk_inplace_op.register_fake(lambda q, k, *args: None)
+
+
+def _rope_qk_setup(ctx, inputs, output):
+    _save_common(ctx, inputs, 2)
+
+
+def _rope_qk_backward(ctx, grad_q, grad_k):
+    (backward,) = ctx.rest
+    dq, dk = torch.ops.cupy_rope.rope_qk(grad_q, grad_k, *ctx.saved_tensors, *ctx.static,
+                                         not backward)
+    return (dq, dk) + (None,) * (_NT + _NSTATIC + 1)
+
+
+_rope_qk_op.register_autograd(_rope_qk_backward, setup_context=_rope_qk_setup)
+
+
+# --------------------------------------------------------------- fused qkv --
+def _qkv_shapes(shape, num_q_heads: int, num_kv_heads: int, head_dim: Optional[int],
+                layout: str):
+    """(q shape, k/v shape) of a packed [tokens..., (hq + 2 hk) * d | hq + 2 hk, d]."""
+    token_ndim = 1 if layout == "thd" else 2
+    heads = num_q_heads + 2 * num_kv_heads
+    tokens = tuple(shape[:token_ndim])
+    if len(shape) == token_ndim + 1:
+        d = head_dim if head_dim is not None else shape[-1] // heads
+    elif len(shape) == token_ndim + 2:
+        d = shape[-1]
+    else:
+        raise ValueError(f"qkv: expected {token_ndim} token axes then [(hq + 2 hk) * d] or "
+                         f"[hq + 2 hk, d] for layout {layout!r}, got shape {list(shape)}")
+    return tokens + (num_q_heads, d), tokens + (num_kv_heads, d)
+
+
+def _rope_qkv_impl(a):
+    qkv = a["qkv"]
+    hq, hk, packing = a["num_q_heads"], a["num_kv_heads"], a["packing"]
+    q_shape, kv_shape = _qkv_shapes(qkv.shape, hq, hk, a["head_dim"], a["layout"])
+    kw = _kwargs_of(_common(a))
+    kw.update(num_q_heads=hq, num_kv_heads=hk, packing=packing)
+    fn = api.apply_rope_qkv
+    if {"out_q", "out_k", "out_v"} <= _named_params(fn) and qkv.device.type != "cpu":
+        outs = (qkv.new_empty(q_shape), qkv.new_empty(kv_shape), qkv.new_empty(kv_shape))
+        _call(fn, qkv, out_q=outs[0], out_k=outs[1], out_v=outs[2], **kw)
+        return outs
+    q, k, v = _call(fn, qkv, **kw)
+    return (_as_new_output(q, qkv, q_shape), _as_new_output(k, qkv, kv_shape),
+            _as_new_output(v, qkv, kv_shape))
+
+
+def _rope_qkv_fake(qkv, *args):
+    a = dict(zip(_ORDER + ("num_q_heads", "num_kv_heads", "packing"), args))
+    q_shape, kv_shape = _qkv_shapes(qkv.shape, a["num_q_heads"], a["num_kv_heads"],
+                                    a["head_dim"], a["layout"])
+    return qkv.new_empty(q_shape), qkv.new_empty(kv_shape), qkv.new_empty(kv_shape)
+
+
+def _rope_qkv_backward_impl(a):
+    dq, dk, dv = a["dq"], a["dk"], a["dv"]
+    out = dq.new_empty(a["packed_shape"])
+    # dq, dk, dv are [.., h, d]: the packed output's shape says the rest (no head_dim).
+    kw = _kwargs_of(_common(a), head_dim=False)
+    kw["packing"] = a["packing"]
+    fn = api.apply_rope_qkv_backward
+    named = _named_params(fn)
+    for name in ("num_q_heads", "num_kv_heads"):
+        if name in named:
+            kw[name] = a[name]
+    if out.device.type == "cpu":
+        r = _call(fn, dq, dk, dv, **kw)
+        out.copy_(torch.from_numpy(r).view(out.shape))
+    else:
+        _call(fn, dq, dk, dv, out=out, **kw)
+    return out
+
+
+_QKV_EXTRA = ", SymInt num_q_heads, SymInt num_kv_heads, str packing"
+_rope_qkv_op = _define("rope_qkv", "Tensor qkv", _QKV_EXTRA, "(Tensor, Tensor, Tensor)",
+                       _rope_qkv_impl)
+_rope_qkv_backward_op = _define("rope_qkv_backward", "Tensor dq, Tensor dk, Tensor dv",
+                                _QKV_EXTRA + ", SymInt[] packed_shape", "Tensor",
+                                _rope_qkv_backward_impl)
+_rope_qkv_op.register_fake(_rope_qkv_fake)
+_rope_qkv_backward_op.register_fake(lambda dq, dk, dv, *args: dq.new_empty(args[-1]))
+
+
+def _rope_qkv_setup(ctx, inputs, output):
+    _save_common(ctx, inputs, 1)
+    ctx.packed_shape = list(inputs[0].shape)
+
+
+def _rope_qkv_grad(ctx, dq, dk, dv):
+    dqkv = torch.ops.cupy_rope.rope_qkv_backward(dq, dk, dv, *ctx.saved_tensors, *ctx.static,
+                                                 *ctx.rest, ctx.packed_shape)
+    return (dqkv,) + (None,) * (_NT + _NSTATIC + 3)
+
+
+_rope_qkv_op.register_autograd(_rope_qkv_grad, setup_context=_rope_qkv_setup)
+
+
+def _rope_qkv_backward_setup(ctx, inputs, output):
+    _save_common(ctx, inputs, 3)
+
+
+def _rope_qkv_backward_grad(ctx, grad):
+    # The backward op is linear (rotate by -theta, then pack); its own
+    # gradient is the forward op (unpack, then rotate by +theta).
+    q, k, v = torch.ops.cupy_rope.rope_qkv(grad, *ctx.saved_tensors, *ctx.static,
+                                           *ctx.rest[:3])
+    return (q, k, v) + (None,) * (_NT + _NSTATIC + 4)
+
+
+_rope_qkv_backward_op.register_autograd(_rope_qkv_backward_grad,
+                                        setup_context=_rope_qkv_backward_setup)
+
+
+# -------------------------------------------------------- public functions --
+def _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens, layout,
+             interleaved, rotary_dim, head_dim, cp_size, cp_rank) -> tuple:
+    """The common positional op arguments from the public keyword arguments."""
+    offset = 0
+    if isinstance(offsets, bool):
+        raise TypeError("offsets: expected an int or an int32/int64 tensor, got bool")
+    if offsets is not None and not isinstance(offsets, Tensor):
+        offsets, offset = None, int(offsets)
+    return (cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens, offset,
+            layout, bool(interleaved), rotary_dim, head_dim, int(cp_size), int(cp_rank))
+
+
+def _records_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def rope(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, *,
+         inv_freq=None, freqs=None, cos_sin_cache=None, positions=None, offsets=None,
+         layout: str = "bshd", cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
+         interleaved: bool = False, rotary_dim: Optional[int] = None,
+         head_dim: Optional[int] = None, backward: bool = False) -> Tensor:
+    """Rotated copy of ``x`` (see :func:`cupy_rope.apply_rope` for the arguments).
+
+    Differentiable with respect to ``x`` (the gradient is the same kernel with
+    ``backward`` flipped); traceable by ``torch.compile(fullgraph=True)`` and
+    capturable in a CUDA graph.
+    """
+    args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
+                    layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
+    return torch.ops.cupy_rope.rope(x, *args, bool(backward))
+
+
+def rope_(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, *,
+          inv_freq=None, freqs=None, cos_sin_cache=None, positions=None, offsets=None,
+          layout: str = "bshd", cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
+          interleaved: bool = False, rotary_dim: Optional[int] = None,
+          head_dim: Optional[int] = None, backward: bool = False) -> Tensor:
+    """Rotate ``x`` in place and return it (channels past ``rotary_dim`` untouched).
+
+    With autograd recording for ``x``, the result is computed out of place and
+    copied back (see the module docstring); otherwise no buffer is allocated.
+    """
+    args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
+                    layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
+    if _records_grad(x):
+        # Out of place copies channels past rotary_dim bit-exact, so copying
+        # the whole result back leaves them as they were.
+        x.copy_(torch.ops.cupy_rope.rope(x, *args, bool(backward)))
+        return x
+    torch.ops.cupy_rope.rope_(x, *args, bool(backward))
+    return x
+
+
+def rope_qk(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
+            *, inv_freq=None, freqs=None, cos_sin_cache=None, positions=None, offsets=None,
+            layout: str = "bshd", cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
+            interleaved: bool = False, rotary_dim: Optional[int] = None,
+            head_dim: Optional[int] = None, backward: bool = False) -> Tuple[Tensor, Tensor]:
+    """Rotated copies of q [.., hq, d] and k [.., hk, d] in one launch (any hq, hk)."""
+    args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
+                    layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
+    return torch.ops.cupy_rope.rope_qk(q, k, *args, bool(backward))
+
+
+def rope_qk_(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
+             *, inv_freq=None, freqs=None, cos_sin_cache=None, positions=None, offsets=None,
+             layout: str = "bshd", cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
+             interleaved: bool = False, rotary_dim: Optional[int] = None,
+             head_dim: Optional[int] = None, backward: bool = False) -> Tuple[Tensor, Tensor]:
+    """Rotate q and k in place in one launch and return ``(q, k)``.
+
+    With autograd recording for q or k, computed out of place and copied back.
+    """
+    args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
+                    layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
+    if _records_grad(q, k):
+        yq, yk = torch.ops.cupy_rope.rope_qk(q, k, *args, bool(backward))
+        q.copy_(yq)
+        k.copy_(yk)
+        return q, k
+    torch.ops.cupy_rope.rope_qk_(q, k, *args, bool(backward))
+    return q, k
+
+
+def rope_qkv(qkv: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, *,
+             num_q_heads: int, num_kv_heads: int, head_dim: Optional[int] = None,
+             packing: str = "concat", inv_freq=None, freqs=None, cos_sin_cache=None,
+             positions=None, offsets=None, layout: str = "bshd", cu_seqlens=None,
+             cp_size: int = 1, cp_rank: int = 0, interleaved: bool = False,
+             rotary_dim: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Split a packed projection output into new rotated q, rotated k and v.
+
+    ``qkv``: token axes ([b, s] / [s, b] / [T]) then [(hq + 2 hk) * d] or
+    [hq + 2 hk, d]; ``packing="concat"`` (all q heads, all k heads, all v heads)
+    or ``"grouped"`` (hk groups of hq/hk q heads, one k head, one v head).
+    Returns contiguous q [.., hq, d], k and v [.., hk, d]; the gradient with
+    respect to ``qkv`` comes back packed like ``qkv``.
+    """
+    args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
+                    layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
+    return torch.ops.cupy_rope.rope_qkv(qkv, *args, int(num_q_heads), int(num_kv_heads),
+                                        packing)
+
+
+apply_rope = rope
+apply_rope_qk = rope_qk
+apply_rope_qkv = rope_qkv

@@ -1,0 +1,119 @@
+// Which position each token rotates by.
+//
+// POS_MODE (compile time):
+//   IMPLIED:  the token's sequence index i (bshd/sbhd: the s axis),
+//   EXPLICIT: positions[outer * pos_stride_outer + inner * pos_stride_inner],
+//   VARLEN:   packed sequences (thd): token t belongs to sequence s with
+//             start(s) <= t < start(s + 1) where start(s) = cu_seqlens[s] / cp_size,
+//             and i = t - start(s).
+// Then, for IMPLIED and VARLEN with context parallelism (cp_size > 1), i is
+// a local index and is remapped to the global one (below), and finally
+//   pos = i + offsets[b or s] + offset.
+#pragma once
+#include "params.cuh"
+
+namespace rope {
+
+enum PosMode : int { IMPLIED = 0, EXPLICIT = 1, VARLEN = 2 };
+
+// Context parallelism with load balancing (dual chunks): a sequence of
+// global length L is cut into 2 * cp_size chunks of c = L / (2 * cp_size)
+// tokens, and rank r holds chunks r and 2 * cp_size - 1 - r, in that order,
+// as a local sequence of 2c tokens. Local index i < c lies in chunk r
+// (global r * c + i); i >= c lies in chunk 2 * cp_size - 1 - r (global
+// (2 * cp_size - 1 - r) * c + (i - c)).
+__device__ __forceinline__ i64 cp_global_index(i64 i, i64 c, i64 cp_size, i64 cp_rank) {
+  return i < c ? cp_rank * c + i : (2 * cp_size - 1 - cp_rank) * c + (i - c);
+}
+
+__device__ __forceinline__ i64 load_index(const void* base, i64 idx, bool is64) {
+  return is64 ? static_cast<const i64*>(base)[idx]
+              : static_cast<i64>(static_cast<const int*>(base)[idx]);
+}
+
+__device__ __forceinline__ i64 seq_start(const Params& p, i64 s) {
+  return static_cast<i64>(p.cu_seqlens[s]) / p.cp_size;
+}
+
+// The largest s in [lo, hi) with seq_start(s) <= t, found by the first
+// `lanes` threads of the block (one warp, or all of a block smaller than a
+// warp) with a lanes-way search (each step narrows the range lanes-fold: 3
+// steps for 32768 sequences with 32 lanes), or lo - 1 if seq_start(lo) > t.
+// Every lane returns the same value. With non-monotonic cu_seqlens the
+// answer is some s in range: wrong positions but never an out-of-bounds
+// access.
+__device__ __forceinline__ i64 warp_find_sequence(const Params& p, i64 lo, i64 hi, i64 t,
+                                                  int lane, int lanes, unsigned mask) {
+  if (seq_start(p, lo) > t) return lo - 1;
+  while (hi - lo > 1) {
+    const i64 step = (hi - lo + lanes - 1) / lanes;
+    const i64 idx = lo + lane * step;
+    const bool ok = idx < hi && seq_start(p, idx) <= t;
+    const unsigned votes = __ballot_sync(mask, ok);  // lane 0 is always set
+    const int last = 31 - __clz(votes);
+    const i64 new_lo = lo + last * step;
+    hi = min(hi, new_lo + step);
+    lo = new_lo;
+  }
+  return lo;
+}
+
+// VARLEN: the sequence of each token of this block, written to
+// seq_of_lane[z] for token first + z, z < count (-1 for a token no sequence
+// covers). The block's tokens are [first, last]; the first warp finds the
+// sequences of first and last once for the block, then each lane searches
+// only that (usually one-entry) range. Called by every thread of the block;
+// a barrier follows.
+__device__ __forceinline__ void find_block_sequences(const Params& p, i64 first, i64 last,
+                                                     int count, int* seq_of_lane) {
+  const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const int lanes = min(32, static_cast<int>(blockDim.x * blockDim.y * blockDim.z));
+  if (tid >= lanes) return;
+  const unsigned mask = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+  const i64 n = p.n_seqs;
+  const i64 s_first = warp_find_sequence(p, 0, n, first, tid, lanes, mask);
+  const i64 s_last = warp_find_sequence(p, max(s_first, i64(0)), n, last, tid, lanes, mask);
+  const i64 end = seq_start(p, n);  // one past the last covered token
+  for (int z = tid; z < count; z += lanes) {
+    const i64 t = first + z;
+    i64 s = -1;
+    if (t <= last && t < end && s_first >= 0) {
+      i64 lo = s_first, hi = s_last + 1;  // seq_start(lo) <= t
+      while (hi - lo > 1) {
+        const i64 mid = (lo + hi) / 2;
+        if (seq_start(p, mid) <= t) lo = mid; else hi = mid;
+      }
+      s = lo;
+    }
+    seq_of_lane[z] = static_cast<int>(s);
+  }
+}
+
+// The position of token (outer, inner) (token = outer * n_inner + inner);
+// false if it has none (a token outside every sequence).
+template <int POS_MODE>
+__device__ __forceinline__ bool token_position(const Params& p, i64 token, i64 outer, i64 inner,
+                                               i64 seq, i64& pos) {
+  i64 off_idx = outer * p.off_stride_outer + inner * p.off_stride_inner;
+  if constexpr (POS_MODE == EXPLICIT) {
+    pos = load_index(p.positions, outer * p.pos_stride_outer + inner * p.pos_stride_inner,
+                     p.pos_is_64);
+  } else if constexpr (POS_MODE == IMPLIED) {
+    pos = outer * p.seq_stride_outer + inner * p.seq_stride_inner;
+    if (p.cp_size > 1) pos = cp_global_index(pos, p.cp_chunk, p.cp_size, p.cp_rank);
+  } else {
+    if (seq < 0) return false;
+    const i64 begin = static_cast<i64>(p.cu_seqlens[seq]);
+    pos = token - begin / p.cp_size;
+    if (p.cp_size > 1) {
+      const i64 chunk = (static_cast<i64>(p.cu_seqlens[seq + 1]) - begin) / (2 * p.cp_size);
+      pos = cp_global_index(pos, chunk, p.cp_size, p.cp_rank);
+    }
+    off_idx = seq;
+  }
+  if (p.offsets) pos += load_index(p.offsets, off_idx, p.off_is_64);
+  pos += p.offset;
+  return true;
+}
+
+}  // namespace rope

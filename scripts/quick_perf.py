@@ -1,0 +1,165 @@
+"""Quick GPU timings for kernel work: a few workloads vs a same-run copy,
+and the host cost of a cached decode call. The full benchmark is
+``python -m cupy_rope.bench``."""
+import statistics
+import sys
+import time
+
+import cupy
+import numpy as np
+
+import cupy_rope
+
+SPIN = cupy.RawKernel(r"""
+extern "C" __global__ void spin(long long c) { long long s = clock64(); while (clock64() - s < c) {} }
+""", "spin")
+
+
+def time_us(fn, sets, reps=30):
+    for i in range(5):
+        fn(*sets[i % len(sets)])
+    ev = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(reps)]
+    SPIN((1,), (1,), (np.int64(40e6),))
+    for i, (a, b) in enumerate(ev):
+        a.record()
+        fn(*sets[i % len(sets)])
+        b.record()
+    ev[-1][1].synchronize()
+    return statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in ev) * 1e3
+
+
+def copy_us(nbytes):
+    bufs = [(cupy.empty(nbytes, cupy.uint8), cupy.empty(nbytes, cupy.uint8)) for _ in range(3)]
+
+    def run(src, dst):
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToDevice,
+                                      cupy.cuda.get_current_stream().ptr)
+    return time_us(run, bufs)
+
+
+def bf16():
+    import ml_dtypes
+    return cupy.dtype(ml_dtypes.bfloat16)
+
+
+def variant(unroll, min_blocks, lanes=32, varlen_tokens=16):
+    from cupy_rope import api, launch, specialize
+    launch.UNROLL = unroll
+    launch.MAX_HEAD_LANES = lanes
+    launch.VARLEN_MIN_TOKENS = varlen_tokens
+    specialize.NVRTC_OPTIONS = ("-std=c++17", f"-DROPE_MIN_BLOCKS_PER_SM={min_blocks}")
+    specialize._modules.clear()
+    api._plans.clear()
+
+
+def main(host=True):
+    d = 128
+    inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
+    th = cupy.arange(70000, dtype=cupy.float32)[:, None] * inv
+    cos, sin = cupy.cos(th), cupy.sin(th)
+    rows = []
+
+    def rnd(shape):
+        return cupy.random.standard_normal(shape, dtype=cupy.float32).astype(bf16())
+
+    # single tensor, the old reference point (0.98 of copy before the q/k rewrite)
+    sets = [(rnd((1, 4096, 128, d)), rnd((1, 4096, 128, d))) for _ in range(2)]
+    t_copy = copy_us(sets[0][0].nbytes)
+    t = time_us(lambda x, o: cupy_rope.apply_rope(x, cos, sin, out=o), sets)
+    rows.append(("bshd [1,4096,128,128] out=", t, t_copy / t))
+    sets = [(cupy.random.standard_normal((128, 8192, 1, d), dtype=cupy.float32),) * 2
+            for _ in range(2)]
+    sets = [(a, cupy.empty_like(a)) for a, _ in sets]
+    t_copy = copy_us(sets[0][0].nbytes)
+    t = time_us(lambda x, o: cupy_rope.apply_rope(x, cos, sin, out=o, layout="sbhd"), sets)
+    rows.append(("fp32 sbhd [128,8192,1,128] out=", t, t_copy / t))
+    del sets
+    # Llama-3-8B prefill q32/k8, in place and out of place
+    sets = [(rnd((4, 4096, 32, d)), rnd((4, 4096, 8, d))) for _ in range(2)]
+    nbytes = sum(a.nbytes for a in sets[0])
+    t_copy = copy_us(nbytes)
+    t = time_us(lambda q, k: cupy_rope.apply_rope_qk(q, k, cos, sin, inplace=True), sets)
+    rows.append(("prefill qk b4 s4096 32/8 inplace", t, t_copy / t))
+    outs = [(cupy.empty_like(q), cupy.empty_like(k)) for q, k in sets]
+    sets2 = [s + o for s, o in zip(sets, outs)]
+    t = time_us(lambda q, k, oq, ok: cupy_rope.apply_rope_qk(q, k, cos, sin, out_q=oq, out_k=ok,
+                                                               backward=True), sets2)
+    rows.append(("prefill qk bwd out=", t, t_copy / t))
+    del sets, sets2, outs
+    # thd T=65536 h32 across n_seqs
+    T = 65536
+    x = [rnd((T, 32, d)) for _ in range(2)]
+    o = [cupy.empty_like(a) for a in x]
+    t_copy = copy_us(x[0].nbytes)
+    rng = np.random.default_rng(0)
+    for n in (1, 128, 2401):
+        cuts = np.sort(rng.choice(np.arange(1, T), n - 1, replace=False)) if n > 1 else []
+        cu = cupy.asarray(np.concatenate([[0], cuts, [T]]).astype(np.int32))
+        for bwd in (False, True):
+            t = time_us(lambda a, b: cupy_rope.apply_rope(a, cos, sin, layout="thd", cu_seqlens=cu,
+                                                          out=b, backward=bwd), list(zip(x, o)))
+            rows.append((f"thd n_seqs={n} bwd={bwd}", t, t_copy / t))
+    del x, o
+    for name, t, f in rows:
+        print(f"{name:40s} {t:9.1f} us  {f:6.3f} of copy")
+
+    if not host:
+        return
+    # host cost: decode q32/k8 64 tokens, in place, cos_sin_cache + positions
+    for fw in ("cupy", "torch"):
+        q = cupy.random.standard_normal((64, 32, d), dtype=cupy.float32).astype(cupy.float16)
+        k = cupy.random.standard_normal((64, 8, d), dtype=cupy.float32).astype(cupy.float16)
+        cache = cupy.concatenate([cos, sin], axis=1)[:8192].copy()
+        pos = cupy.arange(64, dtype=cupy.int64) + 1000
+        if fw == "torch":
+            import torch
+            q, k, cache, pos = (torch.from_dlpack(a) for a in (q, k, cache, pos))
+        for _ in range(50):
+            cupy_rope.apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd",
+                                    inplace=True)
+        cupy.cuda.Device().synchronize()
+        n = 5000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            cupy_rope.apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd",
+                                    inplace=True)
+        cupy.cuda.Device().synchronize()
+        print(f"decode qk 64 tok {fw}: {(time.perf_counter() - t0) / n * 1e6:.2f} us per call "
+              "end to end")
+    # the same call with the launch itself stubbed out, and the bare launch
+    from cupy_rope import api, launch
+    key = next(k for k in api._plans if k[0] == "qk")
+    plan = api._plans[key].plan
+    real = launch.Plan.launch
+    launch.Plan.launch = lambda self, ptrs, offset: None
+    t0 = time.perf_counter()
+    for _ in range(n):
+        cupy_rope.apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd",
+                                inplace=True)
+    print(f"  python path without the launch: {(time.perf_counter() - t0) / n * 1e6:.2f} us")
+    launch.Plan.launch = real
+    from cupy.cuda import driver
+    stream = cupy.cuda.get_current_stream().ptr
+    t0 = time.perf_counter()
+    for _ in range(n):
+        driver.launchKernel(plan.kernel, *plan.dims, 0, stream, plan.args_addr, 0)
+    cupy.cuda.Device().synchronize()
+    print(f"  bare driver.launchKernel: {(time.perf_counter() - t0) / n * 1e6:.2f} us")
+    if "--profile" in sys.argv:
+        import cProfile
+        cProfile.runctx("for _ in range(2000): cupy_rope.apply_rope_qk(q, k, cos_sin_cache=cache, "
+                        "positions=pos, layout='thd', inplace=True)", globals(), locals(),
+                        sort="tottime")
+
+
+if __name__ == "__main__":
+    if "--sweep" in sys.argv:
+        for unroll, mb, lanes, vt in ((4, 2, 32, 1), (4, 2, 32, 16), (4, 2, 8, 16),
+                                      (4, 2, 2, 32), (2, 4, 8, 16), (2, 4, 2, 32)):
+            variant(unroll, mb, lanes, vt)
+            print(f"== UNROLL={unroll} MIN_BLOCKS_PER_SM={mb} MAX_HEAD_LANES={lanes} "
+                  f"VARLEN_MIN_TOKENS={vt}", flush=True)
+            main(host="--host" in sys.argv)
+    else:
+        main()

@@ -1,0 +1,426 @@
+"""The benchmark's plumbing: workload definitions, positions, acceptance logic,
+table/JSON/plot output (CPU); the peers' adapters and the correctness check
+on the CPU with torch and stand-ins for Liger and FlashInfer (skipped without
+torch); and one tiny workload end to end on the GPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from cupy_rope import bench, peers
+
+# ----------------------------------------------------------------------------
+# Workload definitions.
+
+
+def test_workload_names_unique_and_complete():
+    names = [w.name for w in bench.WORKLOADS]
+    assert len(names) == len(set(names))
+    for n in ("sbhd-4096x1x128x128", "sbhd-512x32x24x128", "llama3-8b-prefill-qk",
+              "decode-qk-t1", "decode-qk-t16", "decode-qk-t64", "diffusion-qk-d80",
+              "diffusion-qk-d96", "sbhd-fp32-128x8192x1x128", "thd-n1", "thd-n128",
+              "thd-n2401", "inplace-full", "partial-0.5", "partial-0.25", "bshd-contig",
+              "bshd-strided"):
+        assert n in names
+
+
+def _w(name):
+    return bench.select_workloads([name])[0]
+
+
+def test_shapes_and_bytes():
+    w = _w("sbhd-4096x1x128x128")
+    assert w.layout == "sbhd" and w.seq_len == 4096 and w.dtype == "bfloat16"
+    assert w.moved_bytes() == 2 * 4096 * 128 * 128 * 2
+    assert w.copy_bytes() == w.moved_bytes() // 2
+
+    w = _w("llama3-8b-prefill-qk")
+    assert w.kind == "qk" and w.shape == (4, 4096, 32, 128) and w.k_shape == (4, 4096, 8, 128)
+    assert w.moved_bytes() == 2 * 2 * 4 * 4096 * (32 + 8) * 128
+
+    w = _w("decode-qk-t64")
+    assert w.mode == "inplace" and w.layout == "thd" and w.k_shape == (64, 8, 128)
+    assert w.moved_bytes() == 2 * 2 * 64 * 40 * 128
+
+    w = _w("sbhd-fp32-128x8192x1x128")
+    assert w.dtype == "float32" and w.seq_len == 128 and w.itemsize == 4
+    assert w.moved_bytes() == 2 * 4 * 128 * 8192 * 128
+
+    for d in (80, 96):
+        w = _w(f"diffusion-qk-d{d}")
+        assert w.shape == (2, 4096, 24, d) and w.k_shape == w.shape and w.rotary_dim == d
+
+    w = _w("thd-n2401")
+    assert w.shape == (65536, 32, 128) and w.n_seqs == 2401 and w.seq_len is None
+
+
+def test_partial_rows_share_the_full_rows_shape():
+    full = _w("inplace-full")
+    assert full.mode == "inplace" and full.rotary_frac == 1.0
+    for f, r in ((0.5, 64), (0.25, 32)):
+        w = _w(f"partial-{f}")
+        assert (w.shape, w.dtype, w.layout, w.mode) == (full.shape, full.dtype, full.layout,
+                                                        full.mode)
+        assert w.rotary_dim == r
+        assert w.moved_bytes() == full.moved_bytes() * r // 128
+
+
+def test_strided_twin():
+    s, c = _w("bshd-strided"), _w("bshd-contig")
+    assert s.strided and not c.strided
+    assert s.shape == c.shape and s.moved_bytes() == c.moved_bytes()
+
+
+def test_roofline_set():
+    big = {w.name for w in bench.WORKLOADS if w.moved_bytes() >= bench.ROOFLINE_MIN_BYTES}
+    assert "partial-0.25" in big and "thd-n1" in big
+    assert not any(n.startswith("decode") for n in big)
+
+
+def test_select_workloads():
+    assert [w.name for w in bench.select_workloads("thd-n1,partial-0.5")] == [
+        "thd-n1", "partial-0.5"]
+    assert {w.name for w in bench.select_workloads(filters=["^thd"])} == {
+        "thd-n1", "thd-n128", "thd-n2401"}
+    assert [w.name for w in bench.select_workloads("thd-n1,thd-n128", ["128"])] == ["thd-n128"]
+    with pytest.raises(ValueError, match="unknown workload"):
+        bench.select_workloads(["nope"])
+
+
+def test_cli_list(capsys):
+    assert bench.main(["--list", "--filter", "decode"]) == 0
+    out = capsys.readouterr().out
+    assert "decode-qk-t1 " in out and "thd-n1" not in out
+
+
+# ----------------------------------------------------------------------------
+# Positions and tables.
+
+
+@pytest.mark.parametrize("n", [1, 2, 128, 2401])
+def test_thd_cu_seqlens(n):
+    cu = bench.thd_cu_seqlens(65536, n)
+    assert cu.dtype == np.int32 and cu.shape == (n + 1,)
+    assert cu[0] == 0 and cu[-1] == 65536
+    assert (np.diff(cu) >= 1).all()
+    np.testing.assert_array_equal(cu, bench.thd_cu_seqlens(65536, n))
+    if n > 2:
+        assert len(set(np.diff(cu).tolist())) > 1  # random lengths, not equal ones
+
+
+def test_thd_cu_seqlens_bounds():
+    with pytest.raises(ValueError):
+        bench.thd_cu_seqlens(4, 5)
+
+
+def test_token_positions():
+    cu = np.array([0, 3, 4, 8], np.int32)
+    np.testing.assert_array_equal(bench.token_positions(cu), [0, 1, 2, 0, 0, 1, 2, 3])
+
+
+def test_decode_positions():
+    p = bench.decode_positions(64, 8192)
+    assert p.dtype == np.int64 and p.shape == (64,)
+    assert p.min() >= 0 and p.max() < 8192
+
+
+def test_rope_tables():
+    cos, sin = bench.rope_tables(100, 64)
+    assert cos.shape == sin.shape == (100, 32) and cos.dtype == np.float32
+    np.testing.assert_allclose(cos[0], 1.0)
+    np.testing.assert_allclose(sin[0], 0.0)
+    np.testing.assert_allclose(cos ** 2 + sin ** 2, 1.0, atol=1e-6)
+    np.testing.assert_allclose(np.arctan2(sin[1], cos[1])[1], 10000 ** (-2 / 64), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# Acceptance and output, on synthetic results.
+
+
+def _defs(*names):
+    return [bench.select_workloads([n])[0].describe() for n in names]
+
+
+def _r(w, d, impl, t, copy_t=None, status="ok", **kw):
+    w = bench.select_workloads([w])[0]
+    copy_t = copy_t if copy_t is not None else t * 0.97
+    row = bench._row(w, d, impl, status, "note", time_us=t if status == "ok" else None,
+                     bandwidth_GBps=w.moved_bytes() / (t * 1e-6) / 1e9,
+                     fraction_of_copy=copy_t / t if status == "ok" else None,
+                     copy_time_us=copy_t, copy_bandwidth_GBps=1.0, held=True)
+    row.update(kw)
+    return row
+
+
+def _result(rows, names, host=None):
+    res = {"device": "Fake GPU", "arrays": "torch", "config": {"reps": 3, "sets": 2},
+           "peers": {"torch-eager": "present", "liger": "absent: not installed"},
+           "workloads": _defs(*names), "rows": rows}
+    if host is not None:
+        res["host"] = host
+    return res
+
+
+def _with_best(rows):
+    # what _run_workload adds to our rows
+    for d in ("fwd", "bwd"):
+        for w in {r["workload"] for r in rows}:
+            ours = [r for r in rows if r["workload"] == w and r["direction"] == d
+                    and r["impl"] == bench.OURS]
+            others = [r for r in rows if r["workload"] == w and r["direction"] == d
+                      and r["impl"] != bench.OURS and r["status"] == "ok"]
+            if ours and others:
+                best = min(others, key=lambda r: r["time_us"])
+                ours[0]["best_peer"] = best["impl"]
+                ours[0]["best_peer_time_us"] = best["time_us"]
+                if ours[0]["status"] == "ok":
+                    ours[0]["speedup_vs_best_peer"] = best["time_us"] / ours[0]["time_us"]
+    return rows
+
+
+GOOD_HOST = {"workload": "decode", "calls": 10, "graph_calls": 100, "torch_us_per_call": 6.0,
+             "cupy_us_per_call": 5.0, "graph_us_per_call": 2.5, "graph_wall_us_per_call": 2.6,
+             "form": "thd"}
+
+
+def _all_pass_result():
+    names = ["sbhd-4096x1x128x128", "thd-n1", "thd-n128", "thd-n2401", "inplace-full",
+             "partial-0.5", "partial-0.25", "bshd-contig", "bshd-strided", "decode-qk-t64"]
+    times = {"sbhd-4096x1x128x128": 95, "thd-n1": 380, "thd-n128": 382, "thd-n2401": 390,
+             "inplace-full": 95, "partial-0.5": 50, "partial-0.25": 28, "bshd-contig": 95,
+             "bshd-strided": 97, "decode-qk-t64": 3}
+    rows = []
+    for n in names:
+        for d in ("fwd", "bwd"):
+            rows.append(_r(n, d, bench.OURS, times[n]))
+            rows.append(_r(n, d, "torch-eager", times[n] * 3))
+            rows.append(_r(n, d, "liger", 1.0, status="n/a"))
+    return _result(_with_best(rows), names, GOOD_HOST)
+
+
+def _status(items):
+    return {it["item"]: it["status"] for it in items}
+
+
+def test_acceptance_all_pass():
+    items = bench.acceptance(_all_pass_result())
+    assert _status(items) == {"1a": "PASS", "1b": "PASS", "2": "PASS", "3": "PASS",
+                              "4": "PASS", "5": "PASS", "6": "PASS"}
+
+
+def test_acceptance_failures():
+    res = _all_pass_result()
+    for r in res["rows"]:
+        if r["impl"] != bench.OURS:
+            continue
+        if r["workload"] == "thd-n2401":        # 10% slower than n1
+            r["time_us"] = 420.0
+        if r["workload"] == "partial-0.25":     # > 0.35 x 95
+            r["time_us"] = 40.0
+        if r["workload"] == "bshd-strided" and r["direction"] == "bwd":
+            r["time_us"] = 110.0
+        if r["workload"] == "sbhd-4096x1x128x128" and r["direction"] == "fwd":
+            r["fraction_of_copy"] = 0.9
+    res["host"] = dict(GOOD_HOST, cupy_us_per_call=9.5, graph_us_per_call=3.5)
+    items = bench.acceptance(res)
+    assert _status(items) == {"1a": "FAIL", "1b": "PASS", "2": "FAIL", "3": "FAIL",
+                              "4": "FAIL", "5": "FAIL", "6": "FAIL"}
+    by = {it["item"]: it for it in items}
+    assert any("sbhd-4096x1x128x128 fwd" in f for f in by["1a"]["failures"])
+    assert any("partial-0.25" in f for f in by["3"]["failures"])
+    assert any("cupy" in f for f in by["5"]["failures"])
+    assert not any("torch" in f for f in by["5"]["failures"])
+
+
+def test_acceptance_slower_than_peer_and_errors():
+    names = ["sbhd-4096x1x128x128", "llama3-8b-prefill-qk"]
+    rows = []
+    for d in ("fwd", "bwd"):
+        rows.append(_r(names[0], d, bench.OURS, 100))
+        rows.append(_r(names[0], d, "liger", 90))
+        rows.append(_r(names[1], d, bench.OURS, 1.0, status="error"))
+        rows.append(_r(names[1], d, "liger", 90))
+    items = {it["item"]: it for it in bench.acceptance(_result(_with_best(rows), names))}
+    assert items["1a"]["status"] == "FAIL"          # error rows fail the roofline item
+    assert items["1b"]["status"] == "FAIL"
+    assert any("0.90x vs liger" in f for f in items["1b"]["failures"])
+    for k in ("2", "3", "4", "5", "6"):
+        assert items[k]["status"] == "SKIP"
+
+
+def test_acceptance_no_peer_is_skip():
+    names = ["sbhd-4096x1x128x128"]
+    rows = [_r(names[0], d, bench.OURS, 95) for d in ("fwd", "bwd")]
+    items = {it["item"]: it for it in bench.acceptance(_result(rows, names))}
+    assert items["1a"]["status"] == "PASS" and items["1b"]["status"] == "SKIP"
+
+
+def test_acceptance_host_without_torch():
+    res = _all_pass_result()
+    res["host"] = dict(GOOD_HOST, torch_us_per_call=None, torch_error=bench.NO_TORCH,
+                       graph_us_per_call=None, graph_error=bench.NO_TORCH)
+    items = _status(bench.acceptance(res))
+    assert items["5"] == "PASS" and items["6"] == "SKIP"
+    res["host"]["cupy_us_per_call"] = None
+    res["host"]["cupy_error"] = "RuntimeError: boom"
+    assert _status(bench.acceptance(res))["5"] == "FAIL"
+
+
+def test_format_table_and_json(tmp_path):
+    res = _all_pass_result()
+    res["rows"].append(_r("bshd-contig", "fwd", "flashinfer", 1.0, status="error"))
+    res["acceptance"] = bench.acceptance(res)
+    table = bench.format_table(res)
+    lines = table.splitlines()
+    assert lines[0].startswith("device: Fake GPU")
+    assert any("d2d copy" in ln and "thd-n1" in ln for ln in lines)
+    ours = [ln for ln in lines if "sbhd-4096x1x128x128" in ln and bench.OURS in ln]
+    assert len(ours) == 2 and all("3.00x" in ln and "best peer torch-eager" in ln for ln in ours)
+    assert any("liger" in ln and "n/a" in ln for ln in lines)
+    assert any("flashinfer" in ln and "error" in ln for ln in lines)
+    acc = bench.format_acceptance(res["acceptance"])
+    assert acc.count("PASS") == 7
+    host = bench.format_host(res["host"])
+    assert "torch 6.00 us" in host and "2.50 us per call" in host
+    path = tmp_path / "r.json"
+    bench.write_json(res, path)
+    back = json.loads(path.read_text())
+    assert back["rows"][0]["workload"] == res["rows"][0]["workload"]
+    assert {w["name"] for w in back["workloads"]} >= {"thd-n1", "partial-0.25"}
+
+
+def test_plot(tmp_path):
+    res = _all_pass_result()
+    path = tmp_path / "r.png"
+    msg = bench.plot(res, str(path))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib" in msg and not path.exists()
+    else:
+        assert path.stat().st_size > 1000, msg
+
+
+def test_peer_registry():
+    assert [p.name for p in peers.make("torch-eager,liger")] == ["torch-eager", "liger"]
+    assert [p.name for p in peers.make("all")] == list(peers.NAMES)
+    assert peers.make("none") == []
+    with pytest.raises(ValueError, match="unknown peer"):
+        peers.make("nope")
+
+
+# ----------------------------------------------------------------------------
+# Peers' adapters and the check, on the CPU with torch (stand-ins for the
+# GPU-only peers implement their documented calling conventions).
+
+
+def _fake_liger(torch):
+    def rot(q, k, cos, sin, backward):
+        q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        r = cos.shape[-1]
+        h = r // 2
+        c = cos[..., :h].unsqueeze(2).float()
+        s = sin[..., :h].unsqueeze(2).float() * (-1 if backward else 1)
+        for t in (q, k):
+            a, b = t[..., :h].float(), t[..., h:r].float()
+            t[..., :h], t[..., h:r] = (a * c - b * s).to(t.dtype), (b * c + a * s).to(t.dtype)
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+    rope = types.ModuleType("liger_kernel.ops.rope")
+    rope.rope_forward = lambda q, k, cos, sin, *a, **kw: rot(q, k, cos, sin, False) + (cos, sin)
+    rope.rope_backward = lambda q, k, cos, sin, *a, **kw: rot(q, k, cos, sin, True)
+    return rope
+
+
+def _fake_flashinfer(torch):
+    def apply(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+        assert is_neox and cos_sin_cache.dtype == torch.float32
+        assert positions.shape[0] == query.shape[0] == key.shape[0]
+        h = cos_sin_cache.shape[-1] // 2
+        c = cos_sin_cache[positions, :h].unsqueeze(1)
+        s = cos_sin_cache[positions, h:].unsqueeze(1)
+        for t in (query, key):
+            v = t.view(t.shape[0], -1, head_size)
+            a, b = v[..., :h].float(), v[..., h: 2 * h].float()
+            v[..., :h], v[..., h: 2 * h] = (a * c - b * s).to(t.dtype), (b * c + a * s).to(t.dtype)
+
+    mod = types.ModuleType("flashinfer")
+    mod.apply_rope_with_cos_sin_cache_inplace = apply
+    return mod
+
+
+SMALL = [
+    bench.Workload("t-sbhd-b1", "", "single", "sbhd", (16, 1, 4, 8)),
+    bench.Workload("t-sbhd-b3", "", "single", "sbhd", (16, 3, 4, 8)),
+    bench.Workload("t-bshd", "", "single", "bshd", (2, 16, 4, 8)),
+    bench.Workload("t-fp32", "", "single", "sbhd", (8, 5, 1, 8), dtype="float32"),
+    bench.Workload("t-qk", "", "qk", "bshd", (2, 16, 4, 10), k_heads=2),
+    bench.Workload("t-decode", "", "decode", "thd", (5, 4, 8), k_heads=2, mode="inplace",
+                   max_position=64),
+    bench.Workload("t-thd", "", "thd", "thd", (40, 4, 8), n_seqs=3),
+    bench.Workload("t-full", "", "single", "bshd", (2, 16, 4, 16), mode="inplace"),
+    bench.Workload("t-partial", "", "single", "bshd", (2, 16, 4, 16), mode="inplace",
+                   rotary_frac=0.25),
+    bench.Workload("t-strided", "", "single", "bshd", (2, 16, 4, 8), strided=True),
+]
+
+NA = {("liger", "t-sbhd-b3"), ("liger", "t-fp32"), ("flashinfer", "t-strided"),
+      ("flashinfer", "t-fp32")}
+
+
+@pytest.mark.parametrize("w", SMALL, ids=[w.name for w in SMALL])
+def test_peer_adapters_on_cpu(w, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops", types.ModuleType("liger_kernel.ops"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.rope", _fake_liger(torch))
+    monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer(torch))
+    env = bench._Env(device="cpu")
+    ctx = bench.make_context(w, env)
+    base = bench.make_set(w, env)
+    if w.strided:
+        assert not base["x"].is_contiguous() and base["x"].transpose(1, 2).is_contiguous()
+    prepared = [(p.name, p.prepare(w, ctx))
+                for p in (peers.TorchFormula(), peers.Liger(), peers.FlashInfer())]
+    for name, prep in prepared:
+        if (name, w.name) in NA:
+            assert isinstance(prep, str) and prep.startswith("n/a"), (name, prep)
+        else:
+            assert not isinstance(prep, str), (name, prep)
+    checks = bench.check_outputs(w, ctx, prepared, base, env)
+    tol = bench.CHECK_TOLERANCE[w.dtype]
+    for (name, backward), err in checks.items():
+        assert not isinstance(err, str), (name, backward, err)
+        assert err <= tol, (name, backward, err)
+    # the check catches a wrong rotation
+    bad = peers.Prepared(lambda s: (s["q"], s["k"]) if "q" in s else (s["x"],),
+                         {b: (lambda *t: tuple(x * 1.0 for x in t)) for b in (False, True)},
+                         lambda a, ret: list(ret))
+    errs = bench.check_outputs(w, ctx, [("bad", bad)], base, env)
+    assert max(errs.values()) > tol
+
+
+# ----------------------------------------------------------------------------
+# GPU: one tiny workload end to end.
+
+
+@pytest.mark.gpu
+def test_smoke_tiny_workload_on_gpu(tmp_path):
+    w = bench.Workload("tiny-sbhd", "bf16 sbhd [64,1,4,128]", "single", "sbhd", (64, 1, 4, 128))
+    res = bench.run([w], peers="torch-eager", reps=3, n_sets=2, warmup=1, host=False)
+    rows = [r for r in res["rows"] if r["workload"] == "tiny-sbhd"]
+    ours = [r for r in rows if r["impl"] == bench.OURS]
+    assert [r["direction"] for r in ours] == ["fwd", "bwd"]
+    for r in ours:
+        assert r["status"] == "ok", r
+        assert r["time_us"] > 0 and r["fraction_of_copy"] > 0
+        if r["check_error"] is not None:
+            assert r["check_error"] <= bench.CHECK_TOLERANCE["bfloat16"]
+    assert bench.format_table(res).count("tiny-sbhd") >= 3
+    bench.write_json(res, tmp_path / "r.json")
+    assert {it["item"] for it in res["acceptance"]} == {"1a", "1b", "2", "3", "4", "5", "6"}

@@ -1,0 +1,222 @@
+"""cupy_rope.jax: values and jax.grad against a pure-JAX reference, eager and jitted (GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from conftest import assert_close  # noqa: E402
+
+crj = pytest.importorskip("cupy_rope.jax")
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+# ------------------------------------------------------------- reference --
+def ref_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, offsets=None,
+             layout="bshd", cu_seqlens=None, interleaved=False, rotary_dim=None, backward=False):
+    """Pure-JAX float32 reference (x upcast), differentiable by jax.grad in x."""
+    x = x.astype(jnp.float32)
+    if layout == "thd":
+        T = x.shape[0]
+        if positions is not None:
+            pos = positions
+        else:
+            cu = np.asarray(cu_seqlens)
+            pos = np.concatenate([np.arange(cu[i + 1] - cu[i]) for i in range(len(cu) - 1)])
+            if offsets is not None:
+                pos = pos + np.repeat(np.asarray(offsets), np.diff(cu))
+        pos = jnp.asarray(pos).reshape(T)
+    else:
+        b, s = (x.shape[0], x.shape[1]) if layout == "bshd" else (x.shape[1], x.shape[0])
+        pos = jnp.broadcast_to(jnp.arange(s) if positions is None else positions, (b, s))
+        if offsets is not None:
+            pos = pos + (offsets if isinstance(offsets, int) else jnp.asarray(offsets)[:, None])
+        if layout == "sbhd":
+            pos = pos.T
+    if inv_freq is not None:  # float64 angles on the host (positions are concrete here)
+        theta = np.asarray(pos, np.float64)[..., None] * np.asarray(inv_freq, np.float64)
+        c, s_ = jnp.asarray(np.cos(theta), jnp.float32), jnp.asarray(np.sin(theta), jnp.float32)
+    elif freqs is not None:
+        c, s_ = jnp.cos(freqs[pos]), jnp.sin(freqs[pos])
+    else:
+        c, s_ = cos[pos].astype(jnp.float32), sin[pos].astype(jnp.float32)
+    c, s_ = c[..., None, :], s_[..., None, :]
+    if backward:
+        s_ = -s_
+    r = 2 * c.shape[-1] if rotary_dim is None else rotary_dim
+    if interleaved:
+        a, b_ = x[..., 0:r:2], x[..., 1:r:2]
+        rot = jnp.stack([a * c - b_ * s_, b_ * c + a * s_], axis=-1).reshape(x.shape[:-1] + (r,))
+    else:
+        a, b_ = x[..., :r // 2], x[..., r // 2:r]
+        rot = jnp.concatenate([a * c - b_ * s_, b_ * c + a * s_], axis=-1)
+    return jnp.concatenate([rot, x[..., r:]], axis=-1)
+
+
+def tables(d, rows=64, dtype=jnp.float32, rotary_dim=None):
+    r = rotary_dim or d
+    inv_freq = 1.0 / 10000 ** (np.arange(0, r, 2) / r)
+    theta = np.arange(rows)[:, None] * inv_freq
+    return {"cos": jnp.asarray(np.cos(theta), dtype), "sin": jnp.asarray(np.sin(theta), dtype),
+            "inv_freq": jnp.asarray(inv_freq, jnp.float32),
+            "freqs": jnp.asarray(theta, jnp.float32)}
+
+
+def randn(key, shape, dtype):
+    return jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32).astype(DTYPES[dtype])
+
+
+def check(ours, ref, args, dtype, what, jit=False):
+    """Values and jax.grad (of a weighted sum) of ``ours`` vs ``ref``, eager or jitted."""
+    outs = ours(*args)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    ws = [randn(100 + i, o.shape, "float32").astype(o.dtype) for i, o in enumerate(outs)]
+
+    def loss(fn):
+        def f(*a):
+            r = fn(*a)
+            r = r if isinstance(r, tuple) else (r,)
+            return sum(jnp.sum(o.astype(jnp.float32) * w.astype(jnp.float32))
+                       for o, w in zip(r, ws))
+        return f
+
+    grad = jax.grad(loss(ours), argnums=tuple(range(len(args))))
+    if jit:
+        ours_j = jax.jit(ours)
+        outs = ours_j(*args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        grad = jax.jit(grad)
+    grads = grad(*args)
+    ref_args = [a.astype(jnp.float32) for a in args]
+    ref_outs = ref(*ref_args)
+    ref_outs = ref_outs if isinstance(ref_outs, tuple) else (ref_outs,)
+    ref_grads = jax.grad(loss(ref), argnums=tuple(range(len(args))))(*ref_args)
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        assert isinstance(o, jax.Array) and o.dtype == args[0].dtype and o.shape == r.shape
+        assert_close(np.asarray(o.astype(jnp.float32)), np.asarray(r), dtype, f"{what} out{i}")
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert g.dtype == args[i].dtype and g.shape == args[i].shape
+        assert_close(np.asarray(g.astype(jnp.float32)), np.asarray(r), dtype, f"{what} grad{i}")
+
+
+# ------------------------------------------------------------------ tests --
+def test_lowers_to_the_buffer_callback_not_a_host_callback():
+    t = tables(64)
+    x = randn(0, (1, 8, 2, 64), "float32")
+    hlo = jax.jit(lambda x: crj.rope(x, t["cos"], t["sin"])).lower(x).as_text()
+    assert "xla_buffer_python_gpu_callback" in hlo
+    assert "pure_callback" not in hlo and "xla_python_gpu_callback" not in hlo
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("source", ["table", "inv_freq", "freqs"])
+def test_rope_values_and_grad(jit, dtype, source):
+    t = tables(64)
+    kw = {"cos": t["cos"], "sin": t["sin"]} if source == "table" else {source: t[source]}
+    x = randn(1, (2, 16, 4, 64), dtype)
+    check(lambda x: crj.rope(x, **kw), lambda x: ref_rope(x, **kw), [x], dtype,
+          f"rope {source}", jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_rope_sbhd_positions_offsets_interleaved_partial(jit):
+    t = tables(64, rotary_dim=32)
+    pos = jax.random.randint(jax.random.PRNGKey(2), (3, 16), 0, 40, jnp.int32)
+    kw = dict(cos=t["cos"], sin=t["sin"], positions=pos, offsets=jnp.array([0, 5, 11]),
+              layout="sbhd", interleaved=True, rotary_dim=32)
+    x = randn(3, (16, 3, 4, 64), "float32")
+    check(lambda x: crj.rope(x, **kw), lambda x: ref_rope(x, **kw), [x], "float32",
+          "rope sbhd", jit)
+    kw = dict(inv_freq=t["inv_freq"], offsets=7, backward=True)
+    check(lambda x: crj.rope(x, **kw), lambda x: ref_rope(x, **kw), [x[:, :2]], "float32",
+          "rope backward=True", jit)
+
+
+def test_tables_as_traced_arguments_and_no_recompile():
+    """Tables, positions and offsets may be jit arguments; a second call reuses the program."""
+    t = tables(64)
+
+    @jax.jit
+    def f(x, cos, sin, off):
+        return crj.rope(x * 2.0, cos, sin, offsets=off) + 1.0
+
+    x = randn(4, (2, 8, 2, 64), "float32")
+    off = jnp.array([1, 3], jnp.int32)
+    for i in range(2):
+        y = f(x + i, t["cos"], t["sin"], off)
+        ref = ref_rope((x + i) * 2.0, t["cos"], t["sin"], offsets=off) + 1.0
+        assert_close(np.asarray(y), np.asarray(ref), "float32", "jit with traced tables")
+    assert f._cache_size() == 1
+
+
+def test_ordering_on_xla_stream():
+    """A long producer chain before the op and consumers after it, new data every call:
+    right results need the kernel ordered on XLA's stream (nothing synchronizes)."""
+    t = tables(128)
+
+    @jax.jit
+    def f(a, x):
+        a = jax.lax.fori_loop(0, 30, lambda i, a: jnp.tanh(a @ a) * 0.999, a)
+        x = x + a[:4, :1, None, None] * 1e-3  # x is ready only after the chain
+        y = crj.rope(x, inv_freq=t["inv_freq"])
+        return y * 3.0, jnp.sum(y), x
+
+    a = randn(5, (4096, 4096), "float32") * 0.02
+    for i in range(3):
+        y, total, x_used = f(a, randn(6 + i, (4, 512, 8, 128), "float32"))
+        ref = ref_rope(x_used, inv_freq=t["inv_freq"])
+        assert_close(np.asarray(y), np.asarray(ref * 3.0), "float32", f"ordered, call {i}")
+        np.testing.assert_allclose(float(total), float(jnp.sum(ref)), rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_rope_qk(jit):
+    t = tables(128)
+    kw = dict(cos=t["cos"], sin=t["sin"], offsets=jnp.array([3, 0]))
+    q, k = randn(7, (2, 32, 8, 128), "bfloat16"), randn(8, (2, 32, 2, 128), "bfloat16")
+    check(lambda q, k: crj.rope_qk(q, k, **kw),
+          lambda q, k: (ref_rope(q, **kw), ref_rope(k, **kw)), [q, k], "bfloat16", "rope_qk",
+          jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_rope_thd(jit):
+    t = tables(64)
+    cu = jnp.array([0, 5, 12, 30], jnp.int32)
+    kw = dict(inv_freq=t["inv_freq"], layout="thd", cu_seqlens=cu)
+    x = randn(9, (30, 4, 64), "float32")
+    check(lambda x: crj.rope(x, **kw), lambda x: ref_rope(x, **kw), [x], "float32", "thd", jit)
+
+
+def _split(qkv, hq, hk, packing):
+    tokens = qkv.shape[:2]
+    d = qkv.shape[-1] // (hq + 2 * hk) if qkv.ndim == 3 else qkv.shape[-1]
+    heads = qkv.reshape(tokens + (hq + 2 * hk, d))
+    if packing == "concat":
+        return heads[..., :hq, :], heads[..., hq:hq + hk, :], heads[..., hq + hk:, :]
+    g = hq // hk
+    groups = heads.reshape(tokens + (hk, g + 2, d))
+    return groups[..., :g, :].reshape(tokens + (hq, d)), groups[..., g, :], groups[..., g + 1, :]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("packing", ["concat", "grouped"])
+def test_rope_qkv(jit, packing):
+    hq, hk, d = 8, 2, 64
+    t = tables(d)
+    kw = dict(cos=t["cos"], sin=t["sin"])
+    qkv = randn(10, (2, 16, (hq + 2 * hk) * d), "float32")
+
+    def ref(qkv):
+        q, k, v = _split(qkv, hq, hk, packing)
+        return ref_rope(q, **kw), ref_rope(k, **kw), v
+
+    check(lambda qkv: crj.rope_qkv(qkv, num_q_heads=hq, num_kv_heads=hk, packing=packing, **kw),
+          ref, [qkv], "float32", f"rope_qkv {packing}", jit)
