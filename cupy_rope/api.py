@@ -121,6 +121,10 @@ def _execute(op, arrays, options, offsets, make_kwargs):
             key = None
             break
     if key is not None:
+        nonzero = [p for p in ptrs if p]
+        if len(set(nonzero)) != len(nonzero):
+            # Arrays sharing a pointer (out=x, cos is sin, q is k): a plan of its own.
+            key.append(_alias_pattern(ptrs))
         key = tuple(key)
         try:
             prepared = _plans.get(key)
@@ -131,6 +135,12 @@ def _execute(op, arrays, options, offsets, make_kwargs):
             if result is not NotImplemented:
                 return result
     return _slow(op, arrays, make_kwargs(), offsets, key)
+
+
+def _alias_pattern(ptrs) -> tuple:
+    """For each array, the index of the first array with the same pointer."""
+    first: dict = {}
+    return tuple(first.setdefault(p, i) if p else -1 for i, p in enumerate(ptrs))
 
 
 def _split_offsets(offsets):
@@ -153,8 +163,9 @@ def _slow(op, arrays, kwargs, offsets, key):
     uploaded = []
     cu = call.cu_seqlens
     if cu is not None and not cu.on_gpu:
-        # Host cu_seqlens (their values were checked): uploaded for this call.
-        uploaded = [interop.to_device(cu, call.device[1])]
+        # Host cu_seqlens (their values were checked): uploaded on the launch
+        # stream for this call, which then waits for the kernel (below).
+        uploaded = [interop.to_device(cu, call.device[1], interop.stream_for(call.x))]
         kwargs = {**kwargs, "cu_seqlens": uploaded[0]}
         cacheable = False
     elif cu is not None and CHECK_DEVICE_VALUES:
@@ -182,6 +193,8 @@ def _slow(op, arrays, kwargs, offsets, key):
                 _plans.clear()
             _plans[key] = prepared
     plan.launch([interop.data_ptr(a) if a is not None else 0 for a in arrays], call.offset)
+    if uploaded:  # keep the uploaded cu_seqlens alive until the kernel has read them
+        interop.synchronize_stream(interop.stream_for(call.x), call.device[1])
     return _RESULTS[op](arrays[:n_user], allocated)
 
 
@@ -290,7 +303,7 @@ def _numpy_into(call):
 def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cache=None,
                positions=None, offsets=None, layout="bshd", interleaved=False, rotary_dim=None,
                inplace=False, out=None, backward=False, cu_seqlens=None, cp_size=1, cp_rank=0,
-               head_dim=None):
+               head_dim=None, sections=None, sections_interleaved=False):
     """Apply rotary position embedding to ``x``.
 
     Shapes (b = batch, s = sequence, t = packed tokens, h = heads,
@@ -308,6 +321,15 @@ def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cach
       thd: [t]) replaces it; ``offsets`` (int, or [b]; thd: [n_seqs]) is added.
     - ``cu_seqlens`` (thd): int32 [n_seqs + 1] cumulative lengths; positions
       restart at 0 in every sequence; empty sequences are fine.
+    - ``sections`` (M-RoPE, axial RoPE): frequencies per position axis
+      (1 to 3 axes, summing to r/2), with ``positions`` [axes, s], [axes, b, s]
+      or (thd) [axes, t]: frequency f rotates by the position of its axis.
+      Contiguous sections: the first sections[0] frequencies use axis 0, and
+      so on (Qwen2-VL's ``mrope_section``; Flux's ``axes_dim`` / 2 with
+      ``inv_freq`` the concatenation of each axis's frequencies).
+      ``sections_interleaved=True``: Qwen3-VL's assignment (f % 3 == 1 and
+      f < 3 * sections[1] use axis 1, f % 3 == 2 and f < 3 * sections[2]
+      axis 2, every other f axis 0).
     - Context parallelism (``cp_size`` > 1, rank ``cp_rank``), for implied
       positions: every full sequence of length L is cut into 2 * cp_size
       chunks of c = L / (2 * cp_size) tokens and this rank holds chunks
@@ -334,12 +356,14 @@ def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cach
     """
     return _execute(
         "rope", (x, cos, sin, inv_freq, freqs, cos_sin_cache, positions, cu_seqlens, out),
-        (layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim),
+        (layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim,
+         _key_sections(sections), sections_interleaved),
         offsets,
         lambda: dict(x=x, cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs, cos_sin_cache=cos_sin_cache,
              positions=positions, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
              inplace=inplace, out=out, backward=backward, cu_seqlens=cu_seqlens,
-             cp_size=cp_size, cp_rank=cp_rank, head_dim=head_dim))
+             cp_size=cp_size, cp_rank=cp_rank, head_dim=head_dim, sections=sections,
+             sections_interleaved=sections_interleaved))
 
 
 def apply_rope_backward(grad, cos=None, sin=None, **kwargs):
@@ -355,7 +379,8 @@ def apply_rope_backward(grad, cos=None, sin=None, **kwargs):
 def apply_rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cache=None,
                   positions=None, offsets=None, layout="bshd", interleaved=False,
                   rotary_dim=None, inplace=False, out_q=None, out_k=None, backward=False,
-                  cu_seqlens=None, cp_size=1, cp_rank=0, head_dim=None):
+                  cu_seqlens=None, cp_size=1, cp_rank=0, head_dim=None, sections=None,
+                  sections_interleaved=False):
     """Rotate q [.., hq, d] and k [.., hk, d] in one launch.
 
     q and k share the layout, token axes, head_dim, dtype and the angle and
@@ -371,20 +396,23 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_si
     return _execute(
         "qk", (q, k, cos, sin, inv_freq, freqs, cos_sin_cache, positions, cu_seqlens, out_q,
                out_k),
-        (layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim),
+        (layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim,
+         _key_sections(sections), sections_interleaved),
         offsets,
         lambda: dict(x=q, k=k, cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs,
              cos_sin_cache=cos_sin_cache, positions=positions, layout=layout,
              interleaved=interleaved, rotary_dim=rotary_dim, inplace=inplace,
              out=out_q, out_k=out_k, backward=backward, cu_seqlens=cu_seqlens,
-             cp_size=cp_size, cp_rank=cp_rank, head_dim=head_dim))
+             cp_size=cp_size, cp_rank=cp_rank, head_dim=head_dim, sections=sections,
+             sections_interleaved=sections_interleaved))
 
 
 def apply_rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=None,
                    packing="concat", inv_freq=None, freqs=None, cos_sin_cache=None,
                    positions=None, offsets=None, layout="bshd", interleaved=False,
                    rotary_dim=None, out_q=None, out_k=None, out_v=None, backward=False,
-                   cu_seqlens=None, cp_size=1, cp_rank=0):
+                   cu_seqlens=None, cp_size=1, cp_rank=0, sections=None,
+                   sections_interleaved=False):
     """Split a packed QKV projection into rotated q, rotated k and v, in one launch.
 
     ``qkv``: the token axes of ``layout`` ([b, s], [s, b] or [t]) followed by
@@ -409,20 +437,22 @@ def apply_rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_d
     return _execute(
         "qkv", (qkv, cos, sin, inv_freq, freqs, cos_sin_cache, positions, cu_seqlens) + outs,
         (layout, interleaved, rotary_dim, backward, cp_size, cp_rank, head_dim, num_q_heads,
-         num_kv_heads, packing),
+         num_kv_heads, packing, _key_sections(sections), sections_interleaved),
         offsets,
         lambda: dict(qkv=qkv, cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs,
              cos_sin_cache=cos_sin_cache, positions=positions, layout=layout,
              interleaved=interleaved, rotary_dim=rotary_dim, backward=backward,
              out=outs if all(given) else None, cu_seqlens=cu_seqlens, cp_size=cp_size,
              cp_rank=cp_rank, head_dim=head_dim, num_q_heads=num_q_heads,
-             num_kv_heads=num_kv_heads, packing=packing))
+             num_kv_heads=num_kv_heads, packing=packing, sections=sections,
+             sections_interleaved=sections_interleaved))
 
 
 def apply_rope_qkv_backward(dq, dk, dv, cos=None, sin=None, *, packing="concat", inv_freq=None,
                             freqs=None, cos_sin_cache=None, positions=None, offsets=None,
                             layout="bshd", interleaved=False, rotary_dim=None, out=None,
-                            cu_seqlens=None, cp_size=1, cp_rank=0, head_dim=None):
+                            cu_seqlens=None, cp_size=1, cp_rank=0, head_dim=None,
+                            sections=None, sections_interleaved=False):
     """Gradient of :func:`apply_rope_qkv` with respect to ``qkv``, in one launch.
 
     Takes dq [.., hq, d], dk and dv [.., hk, d] (the gradients of its three
@@ -434,14 +464,20 @@ def apply_rope_qkv_backward(dq, dk, dv, cos=None, sin=None, *, packing="concat",
     return _execute(
         "qkv_backward",
         (dq, dk, dv, cos, sin, inv_freq, freqs, cos_sin_cache, positions, cu_seqlens, out),
-        (layout, interleaved, rotary_dim, cp_size, cp_rank, head_dim, packing),
+        (layout, interleaved, rotary_dim, cp_size, cp_rank, head_dim, packing,
+         _key_sections(sections), sections_interleaved),
         offsets,
         lambda: dict(qkv_grads=(dq, dk, dv), cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs,
              cos_sin_cache=cos_sin_cache, positions=positions, layout=layout,
              interleaved=interleaved, rotary_dim=rotary_dim, backward=True, out=out,
              cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, head_dim=head_dim,
              num_q_heads=_heads(dq, layout, head_dim), num_kv_heads=_heads(dk, layout, head_dim),
-             packing=packing))
+             packing=packing, sections=sections, sections_interleaved=sections_interleaved))
+
+
+def _key_sections(sections):
+    """sections as a hashable key part (a list becomes a tuple)."""
+    return tuple(sections) if isinstance(sections, list) else sections
 
 
 def _heads(a, layout, head_dim):

@@ -365,12 +365,20 @@ def to_host(a) -> np.ndarray:
     return cupy.asnumpy(cupy.from_dlpack(a) if not isinstance(a, cupy.ndarray) else a)
 
 
-def to_device(t: Tensor, device_id: int):
-    """A CuPy copy of host array ``t`` on ``device_id`` (for host cu_seqlens)."""
+def to_device(t: Tensor, device_id: int, stream: int):
+    """A CuPy copy of host array ``t`` on ``device_id``, made on ``stream``
+    (for host cu_seqlens)."""
+    import cupy
+
+    with cupy.cuda.Device(device_id), cupy.cuda.ExternalStream(stream, device_id):
+        return cupy.asarray(np.ascontiguousarray(np.asarray(t.obj)))
+
+
+def synchronize_stream(stream: int, device_id: int) -> None:
     import cupy
 
     with cupy.cuda.Device(device_id):
-        return cupy.asarray(np.ascontiguousarray(np.asarray(t.obj)))
+        cupy.cuda.ExternalStream(stream, device_id).synchronize()
 
 
 def wrap_result(t: Tensor, arr):

@@ -19,7 +19,7 @@ import threading
 
 from . import interop
 from .specialize import Spec, get_kernel
-from .validate import EXPLICIT, IMPLIED, VARLEN, Call, disjoint_at, lattice, rel_span
+from .validate import AXES, EXPLICIT, IMPLIED, VARLEN, Call, disjoint_at, lattice, rel_span
 
 MAX_VECTOR_BYTES = 16  # widest single global load/store
 THREADS_PER_BLOCK = 256
@@ -29,7 +29,7 @@ BLOCKS_PER_SM = 8  # blocks to aim for before splitting heads over blockIdx.y
 MAX_HEAD_LANES = 32  # head lanes per block; fewer lanes: more tokens, more heads per thread
 VARLEN_MIN_TOKENS = 16  # tokens per block to aim for with cu_seqlens
 MAX_SLABS = 3
-POS_MODES = {IMPLIED: 0, EXPLICIT: 1, VARLEN: 2}
+POS_MODES = {IMPLIED: 0, EXPLICIT: 1, VARLEN: 2, AXES: 3}
 
 # The fields of rope::Params, in order: (name, struct code). Every field is 8
 # bytes; "f" pairs with the padding float. The leading block changes per call.
@@ -48,7 +48,8 @@ FIXED_FIELDS = (
         "n_slabs", "cos_stride_row", "sin_stride_row", "cos_stride_col", "sin_stride_col",
         "max_position", "pos_stride_outer", "pos_stride_inner", "pos_is_64",
         "off_stride_outer", "off_stride_inner", "off_is_64", "seq_stride_outer",
-        "seq_stride_inner", "n_seqs", "cp_size", "cp_rank", "cp_chunk", "n_outer",
+        "seq_stride_inner", "pos_stride_axis", "n_axes", "section[0]", "section[1]",
+        "section[2]", "sections_interleaved", "n_seqs", "cp_size", "cp_rank", "cp_chunk", "n_outer",
         "n_inner")]
     + [("sin_sign", "f"), ("pad_", "f")])
 PARAM_FIELDS = tuple(DYNAMIC_FIELDS) + tuple(FIXED_FIELDS)
@@ -80,6 +81,8 @@ def _moving_views(call: Call):
         extents = (sizes[0], sizes[1], groups, s.heads_per_group)
         for t, off, st in ((s.x, s.x_offset, s.x_strides), (s.out, s.out_offset, s.out_strides)):
             if t is not None:
+                b, sq, g, h, d = st
+                st = (b, sq, g or s.heads_per_group * h, h, d)  # as the kernel steps groups
                 varying = tuple(v for v, n in zip(st[:4], extents) if n > 1)
                 views.append((t.ptr + off * t.itemsize, t.itemsize, varying, st[4]))
     return list(dict.fromkeys(views))
@@ -107,7 +110,9 @@ def choose_spec(call: Call) -> Spec:
         pairs = _widest(widths, lambda w: half % w == 0 and x_ok(w))  # 1 always fits
 
     tables = call.tables
-    table_strided = strided or any(t.strides[-1] != 1 for t in tables)
+    # AXES reads tables element by element (neighbouring pairs may use other axes).
+    table_strided = (strided or call.pos_mode == AXES
+                     or any(t.strides[-1] != 1 for t in tables))
     if not table_strided:
         row_strides = [t.strides[0] for t in tables if t.ndim == 2 and t.shape[0] > 1]
         table_strided = not all(
@@ -118,8 +123,13 @@ def choose_spec(call: Call) -> Spec:
     tail_vec = 1
     if copy_tail and not strided:
         tail_vec = _widest(widths, lambda w: (d - r) % w == 0 and r % w == 0 and x_ok(w)) or 1
-    return Spec(call.dtype, tables[0].dtype, d, r, call.interleaved, call.source, pairs,
+    spec = Spec(call.dtype, tables[0].dtype, d, r, call.interleaved, call.source, pairs,
                 tail_vec, strided, table_strided, copy_tail, UNROLL, call.pos_mode)
+    if spec.rot_items + spec.tail_items > THREADS_PER_BLOCK:
+        raise ValueError(f"x: head_dim {d} with rotary_dim {r} on a last axis with stride != 1 "
+                         f"(or unaligned) needs {spec.rot_items + spec.tail_items} threads per "
+                         f"head, more than {THREADS_PER_BLOCK}; pass a contiguous last axis")
+    return spec
 
 
 # ------------------------------------------------------------ grid shape --
@@ -207,11 +217,16 @@ def fixed_params(call: Call, slab_blocks: list) -> bytes:
     cos, sin = tables[0], tables[-1]
     pos_strides = (0, 0)
     p = call.positions
+    axis_stride, n_axes = 0, 0
     if p is not None:
-        if call.layout == "thd":
-            pos_strides = by_order(0, p.strides[0])
+        st = p.strides
+        if call.pos_mode == AXES:  # [axes, ...]: the rest as for one axis
+            axis_stride, n_axes, st = st[0], p.shape[0], st[1:]
+        if call.layout == "thd" or len(st) == 1:
+            pos_strides = by_order(0, st[0])
         else:
-            pos_strides = by_order(*p.strides) if p.ndim == 2 else by_order(0, p.strides[0])
+            pos_strides = by_order(*st)
+    sections = tuple(call.sections) + (0,) * (3 - len(call.sections))
     off_strides = (0, 0)
     if call.offsets is not None and call.pos_mode != VARLEN:
         off_strides = by_order(call.offsets.strides[0], 0)
@@ -222,7 +237,8 @@ def fixed_params(call: Call, slab_blocks: list) -> bytes:
         cos.strides[-1], sin.strides[-1], call.max_position,
         *pos_strides, int(p is not None and p.dtype == "int64"),
         *off_strides, int(call.offsets is not None and call.offsets.dtype == "int64"),
-        *seq_strides, call.n_seqs, call.cp_size, call.cp_rank, cp_chunk,
+        *seq_strides, axis_stride, n_axes, *sections, int(call.sections_interleaved),
+        call.n_seqs, call.cp_size, call.cp_rank, cp_chunk,
         n_outer, n_inner,
         -1.0 if call.backward else 1.0, 0.0)
     return _FIXED.pack(*fields)
@@ -375,7 +391,7 @@ def shipped_specs() -> list:
     The grid: dtype x head_dim {64, 80, 96, 128, 256} x rotary fraction
     {1, 1/2, 1/4} x NeoX/GPT-J x angle source (float32 tables, tables in x's
     dtype, inv_freq, angle table) x in place / out of place x position rule
-    (implied, explicit, varlen), plus the element-by-element path for a
+    (implied, explicit, varlen, per-axis), plus the element-by-element path for a
     strided last axis. The CPU tests compile all of them with NVRTC. Specs
     are derived by running :func:`choose_spec` on shape-only descriptions,
     so the list follows the launch policy.
@@ -406,7 +422,7 @@ def shipped_specs() -> list:
                 for name, adt in sources:
                     for interleaved in (False, True):
                         for inplace in (False, True):
-                            for pos_mode in ("implied", "explicit", "varlen"):
+                            for pos_mode in ("implied", "explicit", "varlen", "axes"):
                                 for last_stride in (1, 2):
                                     if last_stride == 2 and (inplace or pos_mode != "implied"):
                                         continue
@@ -423,6 +439,9 @@ def shipped_specs() -> list:
                                         kw["positions"] = tensor((s,), "int32")
                                     elif pos_mode == "varlen":
                                         kw["cu_seqlens"] = tensor((3,), "int32")
+                                    elif pos_mode == "axes":
+                                        kw["positions"] = tensor((3, s), "int32")
+                                        kw["sections"] = (r // 2 - 2, 1, 1)
                                     call = check_call(x, layout="thd", interleaved=interleaved,
                                                       inplace=inplace,
                                                       out=None if inplace else out, **kw)

@@ -39,25 +39,49 @@ def slab_input(call: Call, slab: Slab) -> np.ndarray:
     return _f64(v).reshape(call.batch, call.seqlen, slab.heads, call.head_dim)
 
 
+def axis_of_frequency(sections, interleaved: bool) -> np.ndarray:
+    """The position axis of every frequency (M-RoPE / axial RoPE).
+
+    Contiguous sections: the first sections[0] frequencies use axis 0, the
+    next sections[1] axis 1, the rest axis 2. Interleaved (Qwen3-VL): f with
+    f % 3 == 1 and f < 3 * sections[1] use axis 1, f % 3 == 2 and
+    f < 3 * sections[2] axis 2, every other f axis 0.
+    """
+    n = sum(sections)
+    f = np.arange(n)
+    if not interleaved:
+        return np.repeat(np.arange(len(sections)), sections)
+    axis = np.zeros(n, np.int64)
+    axis[(f % 3 == 1) & (f < 3 * sections[1])] = 1
+    axis[(f % 3 == 2) & (f < 3 * sections[2])] = 2
+    return axis
+
+
 def cos_sin_of(call: Call, pos: np.ndarray):
     """float64 cos and sin [batch, seqlen, rotary_dim / 2] at ``pos``
-    (NaN for a position outside the table or a token without one)."""
+    ([batch, seqlen], or [axes, batch, seqlen] with sections; NaN for a
+    position outside the table)."""
     half = call.rotary_dim // 2
+    f = np.arange(half)
+    if call.sections:  # each frequency at the position of its axis: [b, s, r/2]
+        pos = np.moveaxis(pos[axis_of_frequency(call.sections, call.sections_interleaved)], 0, -1)
+    else:
+        pos = np.broadcast_to(pos[..., None], pos.shape + (half,))
     if call.source == "inv_freq":
-        theta = pos[..., None].astype(np.float64) * _f64(call.tables[0].obj)
+        theta = pos.astype(np.float64) * _f64(call.tables[0].obj)
         c, s = np.cos(theta), np.sin(theta)
-        bad = pos < -(2**62)
+        bad = np.zeros(pos.shape, bool)
     else:
         bad = (pos < 0) | (pos >= call.max_position)
         idx = np.where(bad, 0, pos)
         if len(call.tables) == 2 and call.tables[0] is call.tables[1]:  # cos_sin_cache
             cache = _f64(call.tables[0].obj)
-            c, s = cache[idx, :half], cache[idx, half:2 * half]
+            c, s = cache[idx, f], cache[idx, half + f]
         elif call.source == "angle_table":
-            theta = _f64(call.tables[0].obj)[idx]
+            theta = _f64(call.tables[0].obj)[idx, f]
             c, s = np.cos(theta), np.sin(theta)
         else:
-            c, s = _f64(call.tables[0].obj)[idx], _f64(call.tables[1].obj)[idx]
+            c, s = _f64(call.tables[0].obj)[idx, f], _f64(call.tables[1].obj)[idx, f]
     c, s = c.copy(), s.copy()
     c[bad], s[bad] = np.nan, np.nan
     return c, s

@@ -35,7 +35,7 @@ CXX_TYPES = {
 ANGLE_SOURCES = {"table": 0, "inv_freq": 1, "angle_table": 2}
 
 
-POS_MODES = {"implied": 0, "explicit": 1, "varlen": 2}
+POS_MODES = {"implied": 0, "explicit": 1, "varlen": 2, "axes": 3}
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Spec:
     table_strided: bool  # tables read element by element
     copy_tail: bool  # out of place: copy channels [rotary_dim, head_dim)
     unroll: int  # heads a thread loads before its first store
-    pos_mode: str  # key of POS_MODES: implied | explicit | varlen
+    pos_mode: str  # key of POS_MODES: implied | explicit | varlen | axes
 
     @property
     def rot_items(self) -> int:

@@ -29,7 +29,7 @@ MAX_HEAD_DIM = 512
 PACKINGS = ("concat", "grouped")
 
 #: Position rules (kernels/positions.cuh).
-IMPLIED, EXPLICIT, VARLEN = "implied", "explicit", "varlen"
+IMPLIED, EXPLICIT, VARLEN, AXES = "implied", "explicit", "varlen", "axes"
 
 
 class Slab(NamedTuple):
@@ -76,6 +76,8 @@ class Call(NamedTuple):
     n_seqs: int
     cp_size: int
     cp_rank: int
+    sections: tuple = ()  # AXES: frequencies per position axis
+    sections_interleaved: bool = False
 
     @property
     def x(self) -> Tensor:
@@ -303,6 +305,9 @@ def check_cu_seqlens(cu_t: Tensor, tokens: int, cp_size: int) -> int:
         raise ValueError(f"cu_seqlens: expected a 1-D array [n_seqs + 1], "
                          f"got shape {fmt_shape(cu_t.shape)}")
     _check_dtype(cu_t, "cu_seqlens", ("int32",))
+    if cu_t.shape[0] > 1 and cu_t.strides[0] != 1:
+        raise ValueError(f"cu_seqlens: expected a contiguous array (stride 1), "
+                         f"got stride {cu_t.strides[0]}")
     n_seqs = cu_t.shape[0] - 1
     cu = _host_values(cu_t)
     if cu is not None:
@@ -327,7 +332,33 @@ def check_cu_seqlens(cu_t: Tensor, tokens: int, cp_size: int) -> int:
     return n_seqs
 
 
-def _positions(call_shape, layout, positions, offsets, cu_seqlens, cp_size, cp_rank, device):
+def _sections(sections, interleaved, rotary_dim: int):
+    """Validated per-axis frequency counts (M-RoPE / axial RoPE)."""
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"sections_interleaved: expected a bool, got {type(interleaved).__name__}")
+    if sections is None:
+        if interleaved:
+            raise ValueError("sections_interleaved: needs sections")
+        return ()
+    try:
+        sections = tuple(_as_int(v, "sections") for v in sections)
+    except TypeError:
+        raise TypeError("sections: expected a sequence of ints (frequencies per position "
+                        f"axis), got {sections!r}") from None
+    if not 1 <= len(sections) <= 3 or any(v < 0 for v in sections):
+        raise ValueError(f"sections: expected 1 to 3 non-negative frequency counts (one per "
+                         f"position axis), got {list(sections)}")
+    if sum(sections) != rotary_dim // 2:
+        raise ValueError(f"sections: must sum to rotary_dim / 2 = {rotary_dim // 2} (frequencies, "
+                         f"not channels), got {list(sections)} (sum {sum(sections)})")
+    if interleaved and len(sections) != 3:
+        raise ValueError("sections_interleaved: the interleaved assignment (Qwen3-VL) needs 3 "
+                         f"sections, got {len(sections)}")
+    return sections
+
+
+def _positions(call_shape, layout, positions, offsets, cu_seqlens, cp_size, cp_rank, device,
+               n_axes=0):
     """pos_mode, positions, offsets (array), offset (int), cu_seqlens, n_seqs."""
     batch, seqlen = call_shape
     cp_size = _as_int(cp_size, "cp_size")
@@ -346,6 +377,9 @@ def _positions(call_shape, layout, positions, offsets, cu_seqlens, cp_size, cp_r
             _same_device(cu_t, device, "cu_seqlens")
         n_seqs = check_cu_seqlens(cu_t, seqlen, cp_size)
     pos_t = None
+    if n_axes and positions is None:
+        raise ValueError(f"positions: sections need explicit positions, one row per axis "
+                         f"([{n_axes}, ...])")
     if positions is not None:
         if cu_t is not None:
             raise ValueError("positions: pass either explicit positions or cu_seqlens, not both")
@@ -357,9 +391,15 @@ def _positions(call_shape, layout, positions, offsets, cu_seqlens, cp_size, cp_r
         _same_device(pos_t, device, "positions")
         _check_dtype(pos_t, "positions", INDEX_DTYPES)
         want = ((seqlen,),) if layout == "thd" else ((seqlen,), (batch, seqlen))
-        if pos_t.shape not in want:
+        lead = (n_axes,) if n_axes else ()
+        if pos_t.shape not in [lead + w for w in want]:
             txt = (f"[{seqlen}] (one per token)" if layout == "thd" else
                    f"[{seqlen}] or [{batch}, {seqlen}] ([s] or [b, s])")
+            if n_axes:
+                txt = (f"[{n_axes}, {seqlen}] (one row per axis: len(sections) = {n_axes})"
+                       if layout == "thd" else
+                       f"[{n_axes}, {seqlen}] or [{n_axes}, {batch}, {seqlen}] (one row per "
+                       f"axis: len(sections) = {n_axes})")
             raise ValueError(f"positions: expected shape {txt}, got {fmt_shape(pos_t.shape)}")
     elif cp_size > 1 and cu_t is None and seqlen % 2:
         raise ValueError(f"x: with cp_size={cp_size} the local sequence length must be even "
@@ -383,16 +423,20 @@ def _positions(call_shape, layout, positions, offsets, cu_seqlens, cp_size, cp_r
                 if off_t.shape != (n_seqs,):
                     raise ValueError(f"offsets: expected shape [{n_seqs}] (one per sequence) "
                                      f"or an int, got {fmt_shape(off_t.shape)}")
+                if n_seqs > 1 and off_t.strides[0] != 1:
+                    raise ValueError(f"offsets: expected a contiguous array (stride 1) with "
+                                     f"cu_seqlens, got stride {off_t.strides[0]}")
             elif off_t.shape != (batch,):
                 raise ValueError(f"offsets: expected shape [{batch}] (one per batch entry) "
                                  f"or an int, got {fmt_shape(off_t.shape)}")
-    mode = EXPLICIT if pos_t is not None else VARLEN if cu_t is not None else IMPLIED
+    mode = (AXES if n_axes else EXPLICIT if pos_t is not None else
+            VARLEN if cu_t is not None else IMPLIED)
     return mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank
 
 
 def host_positions(call: Call) -> Optional[np.ndarray]:
     """int64 [batch, seqlen] positions of every token if the host knows them
-    (cp remap included), else None. Tokens outside every sequence get -1."""
+    (cp remap included; [axes, batch, seqlen] with sections), else None."""
     b, s = call.batch, call.seqlen
     off = None
     if call.offsets is not None:
@@ -400,6 +444,17 @@ def host_positions(call: Call) -> Optional[np.ndarray]:
         if off is None:
             return None
         off = off.astype(np.int64)
+    if call.pos_mode == AXES:  # [axes, b, s]
+        pos = _host_values(call.positions)
+        if pos is None:
+            return None
+        pos = np.broadcast_to(pos.astype(np.int64)[:, None] if pos.ndim == 2 and
+                              call.layout != "thd" else
+                              pos.astype(np.int64).reshape(pos.shape[0], -1, s),
+                              (pos.shape[0], b, s))
+        if off is not None:
+            pos = pos + off[None, :, None]
+        return pos + call.offset
     if call.pos_mode == EXPLICIT:
         pos = _host_values(call.positions)
         if pos is None:
@@ -472,7 +527,8 @@ def check_call(x=None, cos=None, sin=None, *, k=None, qkv=None, inv_freq=None, f
                cos_sin_cache=None, positions=None, offsets=None, layout="bshd",
                interleaved=False, rotary_dim=None, inplace=False, out=None, out_k=None,
                backward=False, cu_seqlens=None, cp_size=1, cp_rank=0, head_dim=None,
-               num_q_heads=None, num_kv_heads=None, packing="concat", qkv_grads=None) -> Call:
+               num_q_heads=None, num_kv_heads=None, packing="concat", qkv_grads=None,
+               sections=None, sections_interleaved=False) -> Call:
     """Validate one operation.
 
     - ``x`` alone: apply_rope (out -> ``out``).
@@ -504,8 +560,13 @@ def check_call(x=None, cos=None, sin=None, *, k=None, qkv=None, inv_freq=None, f
         cos, sin, inv_freq, freqs, cos_sin_cache, dtype, device, rotary_dim)
     rotary_dim = _rotary_dim(rotary_dim, width, d, src_name)
 
+    sections = _sections(sections, sections_interleaved, rotary_dim)
+    if sections and (cu_seqlens is not None or cp_size != 1):
+        raise ValueError("sections: per-axis positions are explicit; cu_seqlens and context "
+                         "parallelism do not apply")
     pos_mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank = _positions(
-        (batch, seqlen), layout, positions, offsets, cu_seqlens, cp_size, cp_rank, device)
+        (batch, seqlen), layout, positions, offsets, cu_seqlens, cp_size, cp_rank, device,
+        len(sections))
 
     table_names = (("cos", "sin") if src_name == "cos" else (src_name,) * len(tables))
     read_only = [(t, n) for t, n in zip(tables, table_names)] + [
@@ -522,7 +583,8 @@ def check_call(x=None, cos=None, sin=None, *, k=None, qkv=None, inv_freq=None, f
 
     call = Call(layout, batch, seqlen, d, rotary_dim, interleaved, backward, inplace,
                 tuple(slabs), dtype, device, source, tables, table_offsets, max_position,
-                pos_mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank)
+                pos_mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank, sections,
+                sections_interleaved)
 
     # Positions the host can see are checked against the table here; device
     # positions cannot be (that would need a sync): the kernel then writes NaN
@@ -674,6 +736,9 @@ def _qkv_slabs(qkv, grads, out, layout, head_dim, num_q_heads, num_kv_heads, pac
                 raise ValueError(f"{name}: expected {heads_total} heads (num_q_heads + 2 * "
                                  f"num_kv_heads) in axis {n_tok}, got {t.shape[-2]}")
             d_, sh, sd = t.shape[-1], t.strides[-2], t.strides[-1]
+            if head_dim is not None and head_dim != d_:
+                raise ValueError(f"head_dim: expected {d_} (the last axis of {name}), "
+                                 f"got {head_dim}")
         else:
             raise ValueError(f"{name}: expected the token axes of layout {layout!r} then "
                              f"[(hq + 2 hk) * d] or [hq + 2 hk, d], got shape "

@@ -87,4 +87,32 @@ __device__ __forceinline__ void angles(const Params& p, i64 pos, bool valid, int
   for (int i = 0; i < PAIRS; ++i) s[i] *= p.sin_sign;
 }
 
+// AXES: cos and sin of frequencies [f0, f0 + PAIRS), each at the position
+// of its own axis (pos[axis_of(f)]); tables are read element by element.
+// A position outside the table yields NaN for that pair.
+template <int SOURCE, typename AngleT, int PAIRS>
+__device__ __forceinline__ void axis_angles(const Params& p, const i64 (&pos)[3], int f0,
+                                            float (&c)[PAIRS], float (&s)[PAIRS]) {
+  const AngleT* cos_t = static_cast<const AngleT*>(p.cos);
+  const AngleT* sin_t = static_cast<const AngleT*>(p.sin);
+#pragma unroll
+  for (int i = 0; i < PAIRS; ++i) {
+    const i64 f = f0 + i;
+    const int a = axis_of(p, f);
+    const i64 q = a == 0 ? pos[0] : a == 1 ? pos[1] : pos[2];
+    if constexpr (SOURCE == INV_FREQ) {
+      const float r = reduced_angle(static_cast<float>(q), to_float(cos_t[f * p.cos_stride_col]));
+      sincosf(r, &s[i], &c[i]);
+    } else if (q < 0 || q >= p.max_position) {
+      c[i] = s[i] = __int_as_float(0x7fffffff);
+    } else if constexpr (SOURCE == TABLE) {
+      c[i] = to_float(cos_t[q * p.cos_stride_row + f * p.cos_stride_col]);
+      s[i] = to_float(sin_t[q * p.sin_stride_row + f * p.sin_stride_col]);
+    } else {
+      sincosf(to_float(cos_t[q * p.cos_stride_row + f * p.cos_stride_col]), &s[i], &c[i]);
+    }
+    s[i] *= p.sin_sign;
+  }
+}
+
 }  // namespace rope

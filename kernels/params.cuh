@@ -86,6 +86,10 @@ struct Params {
   i64 off_is_64;
   i64 seq_stride_outer;  // sequence index = outer * seq_stride_outer
   i64 seq_stride_inner;  //                + inner * seq_stride_inner
+  i64 pos_stride_axis;   // AXES: positions[axis, ...] (M-RoPE, axial)
+  i64 n_axes;            // AXES: 1..3 position axes
+  i64 section[3];        // AXES: frequencies per axis (contiguous sections)
+  i64 sections_interleaved;  // AXES: Qwen3-VL's interleaved assignment (3 axes)
   i64 n_seqs;            // VARLEN: sequences in cu_seqlens
   i64 cp_size;           // context parallel: 1 = off
   i64 cp_rank;

@@ -6,6 +6,9 @@
 //   VARLEN:   packed sequences (thd): token t belongs to sequence s with
 //             start(s) <= t < start(s + 1) where start(s) = cu_seqlens[s] / cp_size,
 //             and i = t - start(s).
+//   AXES:     one position per axis (M-RoPE's temporal/height/width, axial
+//             RoPE's 2 or 3 axes): positions[a * pos_stride_axis + ...];
+//             frequency f rotates by the position of its axis (axis_of).
 // Then, for IMPLIED and VARLEN with context parallelism (cp_size > 1), i is
 // a local index and is remapped to the global one (below), and finally
 //   pos = i + offsets[b or s] + offset.
@@ -14,7 +17,7 @@
 
 namespace rope {
 
-enum PosMode : int { IMPLIED = 0, EXPLICIT = 1, VARLEN = 2 };
+enum PosMode : int { IMPLIED = 0, EXPLICIT = 1, VARLEN = 2, AXES = 3 };
 
 // Context parallelism with load balancing (dual chunks): a sequence of
 // global length L is cut into 2 * cp_size chunks of c = L / (2 * cp_size)
@@ -45,6 +48,13 @@ __device__ __forceinline__ i64 seq_start(const Params& p, i64 s) {
 __device__ __forceinline__ i64 warp_find_sequence(const Params& p, i64 lo, i64 hi, i64 t,
                                                   int lane, int lanes, unsigned mask) {
   if (seq_start(p, lo) > t) return lo - 1;
+  if (lanes < 2) {  // a one-thread block: plain binary search
+    while (hi - lo > 1) {
+      const i64 mid = (lo + hi) / 2;
+      if (seq_start(p, mid) <= t) lo = mid; else hi = mid;
+    }
+    return lo;
+  }
   while (hi - lo > 1) {
     const i64 step = (hi - lo + lanes - 1) / lanes;
     const i64 idx = lo + lane * step;
@@ -114,6 +124,34 @@ __device__ __forceinline__ bool token_position(const Params& p, i64 token, i64 o
   if (p.offsets) pos += load_index(p.offsets, off_idx, p.off_is_64);
   pos += p.offset;
   return true;
+}
+
+// AXES: the axis whose position frequency f uses. Contiguous sections
+// (Qwen2-VL M-RoPE, axial RoPE): f < section[0] -> 0, then 1, then 2.
+// Interleaved (Qwen3-VL): f % 3 == 1 with f < 3 * section[1] -> 1,
+// f % 3 == 2 with f < 3 * section[2] -> 2, every other f -> 0.
+__device__ __forceinline__ int axis_of(const Params& p, i64 f) {
+  if (p.sections_interleaved) {
+    const i64 m = f % 3;
+    if (m == 1 && f < 3 * p.section[1]) return 1;
+    if (m == 2 && f < 3 * p.section[2]) return 2;
+    return 0;
+  }
+  return f < p.section[0] ? 0 : f < p.section[0] + p.section[1] ? 1 : 2;
+}
+
+// AXES: the positions of token (outer, inner) along every axis.
+__device__ __forceinline__ void token_axis_positions(const Params& p, i64 outer, i64 inner,
+                                                     i64 (&pos)[3]) {
+  const i64 idx = outer * p.pos_stride_outer + inner * p.pos_stride_inner;
+  i64 add = p.offset;
+  if (p.offsets)
+    add += load_index(p.offsets, outer * p.off_stride_outer + inner * p.off_stride_inner,
+                      p.off_is_64);
+#pragma unroll
+  for (int a = 0; a < 3; ++a)
+    pos[a] = a < p.n_axes ? load_index(p.positions, idx + a * p.pos_stride_axis, p.pos_is_64) + add
+                          : 0;
 }
 
 }  // namespace rope

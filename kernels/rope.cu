@@ -118,11 +118,17 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS_PER_SM) rope_kernel(co
   const i64 xd = sl.x.stride_dim, od = sl.out.stride_dim;
 
   if (item < ROT_ITEMS) {
-    i64 pos = 0;
-    const bool valid = token_position<POS_MODE>(p, token, outer, inner, seq, pos);
     const int f0 = item * PAIRS;
     float c[PAIRS], s[PAIRS];
-    angles<SOURCE, AngleT, PAIRS, TABLE_STRIDED>(p, pos, valid, f0, c, s);
+    if constexpr (POS_MODE == AXES) {
+      i64 pos[3];
+      token_axis_positions(p, outer, inner, pos);
+      axis_angles<SOURCE, AngleT, PAIRS>(p, pos, f0, c, s);
+    } else {
+      i64 pos = 0;
+      const bool valid = token_position<POS_MODE>(p, token, outer, inner, seq, pos);
+      angles<SOURCE, AngleT, PAIRS, TABLE_STRIDED>(p, pos, valid, f0, c, s);
+    }
 
     // This item's packets inside a head: channel STEP * f0, and for NeoX
     // also channel HALF + f0.

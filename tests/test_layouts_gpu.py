@@ -123,7 +123,7 @@ def test_thd_host_cu_seqlens_and_explicit_positions(rng):
                                         False)[0], "float32")
 
 
-@pytest.mark.parametrize("tokens,d", [(1, 4), (3, 16), (5, 64), (40, 8)])
+@pytest.mark.parametrize("tokens,d", [(1, 4), (2, 8), (3, 16), (5, 64), (40, 8)])
 def test_thd_blocks_smaller_than_a_warp(rng, tokens, d):
     """Blocks of fewer than 32 threads still find their sequences."""
     x = rng.standard_normal((tokens, 1, d)).astype(np.float32)
@@ -382,6 +382,21 @@ def test_plan_cache_reuses_and_revalidates(rng):
     with pytest.raises(ValueError, match="cos: the table has 40 rows"):
         cupy_rope.apply_rope(to_device(x), cos, sin, offsets=33)
     assert len(api._plans) == n
+    # a plan made for out=x (in place) is not reused for a separate out, and one
+    # made with cos is sin is not reused for separate tables
+    x1 = rng.standard_normal((2, 8, 3, d)).astype(np.float32)
+    a1 = to_device(x1)
+    cupy_rope.apply_rope(a1, cos, sin, out=a1)
+    x2 = rng.standard_normal((2, 8, 3, d)).astype(np.float32)
+    a2, y2 = to_device(x2), full_nan(x2.shape, "float32")
+    assert cupy_rope.apply_rope(a2, cos, sin, out=y2) is y2
+    want = expected(x2, np.broadcast_to(np.arange(8), (2, 8)), inv_freq, d, False, False, "table")
+    assert_close(to_host(y2), want, "float32")
+    assert np.array_equal(to_host(a2), x2)
+    same = to_device(np.ones((40, d // 2), np.float32))
+    cupy_rope.apply_rope(a2, same, same, out=y2)
+    assert cupy_rope.apply_rope(a2, cos, sin, out=y2) is y2
+    assert_close(to_host(y2), want, "float32")
     # overlapping out on a cached signature is still refused
     buf = cupy.zeros(2 * 8 * 3 * d + d, cupy.float32)
     a = buf[:-d].reshape(2, 8, 3, d)
