@@ -14,6 +14,12 @@ packs dq, dk, dv back. Gradients flow to x / q / k / qkv only: angle tables,
 positions and offsets get zero cotangents. JAX arrays are immutable, so
 there are no in-place variants.
 
+Per-axis positions (M-RoPE, axial RoPE): ``sections`` (1 to 3 frequency
+counts, one per position axis, summing to rotary_dim / 2) and
+``sections_interleaved`` (Qwen3-VL's assignment) are static arguments (part
+of the compiled program, like ``layout``), with ``positions`` then
+[axes, s] / [axes, b, s] (bshd/sbhd) or [axes, t] (thd), a traced array.
+
 How the kernel gets into an XLA program
 ---------------------------------------
 ``jax.experimental.buffer_callback`` (JAX >= 0.7). The op lowers to an XLA
@@ -61,6 +67,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -84,8 +91,25 @@ class _Static(NamedTuple):
     kw: tuple  # sorted (name, value) pairs of non-array library keywords
 
 
+def _static_sections(sections, sections_interleaved):
+    """sections as a hashable tuple of Python ints (None stays None)."""
+    if sections is not None:
+        try:
+            if isinstance(sections, (str, bytes)) or any(isinstance(v, bool) for v in sections):
+                raise TypeError
+            sections = tuple(operator.index(v) for v in sections)
+        except TypeError:
+            raise TypeError("sections: expected a sequence of ints (frequencies per position "
+                            f"axis), got {sections!r}") from None
+    if not isinstance(sections_interleaved, (bool, np.bool_)):
+        raise TypeError("sections_interleaved: expected a bool, got "
+                        f"{type(sections_interleaved).__name__}")
+    return sections, bool(sections_interleaved)
+
+
 def _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens, layout, cp_size,
-             cp_rank, interleaved, rotary_dim, head_dim, extra=()):
+             cp_rank, interleaved, rotary_dim, head_dim, extra=(), sections=None,
+             sections_interleaved=False):
     arrays, names, kw = [], [], dict(extra)
     for name, v in zip(_ARRAY_NAMES, (cos, sin, inv_freq, freqs, positions, offsets,
                                       cu_seqlens)):
@@ -107,6 +131,11 @@ def _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens, layout, 
         kw["head_dim"] = int(head_dim)
     if cp_size != 1 or cp_rank != 0:
         kw["cp_size"], kw["cp_rank"] = int(cp_size), int(cp_rank)
+    sections, sections_interleaved = _static_sections(sections, sections_interleaved)
+    if sections is not None:
+        kw["sections"] = sections
+    if sections_interleaved:
+        kw["sections_interleaved"] = True
     return _Static(tuple(names), tuple(sorted(kw.items()))), tuple(arrays)
 
 
@@ -252,15 +281,19 @@ _rope.defvjp(_rope_fwd, _rope_bwd)
 
 def rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, offsets=None,
          layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0, interleaved=False,
-         rotary_dim=None, head_dim=None, backward=False):
+         rotary_dim=None, head_dim=None, backward=False, sections=None,
+         sections_interleaved=False):
     """Rotated copy of ``x`` (arguments as :func:`cupy_rope.apply_rope`).
 
     Works eagerly and under ``jax.jit``; ``jax.grad`` runs the kernel with
     ``backward`` flipped (rotation by -theta). ``offsets`` may be a Python int
-    (static) or an int array.
+    (static) or an int array. M-RoPE / axial RoPE: ``sections`` and
+    ``sections_interleaved`` (static), ``positions`` [axes, s] / [axes, b, s]
+    (thd: [axes, t]).
     """
     static, arrays = _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens,
-                              layout, cp_size, cp_rank, interleaved, rotary_dim, head_dim)
+                              layout, cp_size, cp_rank, interleaved, rotary_dim, head_dim,
+                              sections=sections, sections_interleaved=sections_interleaved)
     return _rope(static, bool(backward), jnp.asarray(x), arrays)
 
 
@@ -289,10 +322,12 @@ _rope_qk.defvjp(_rope_qk_fwd, _rope_qk_bwd)
 
 def rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None,
             offsets=None, layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0,
-            interleaved=False, rotary_dim=None, head_dim=None, backward=False):
+            interleaved=False, rotary_dim=None, head_dim=None, backward=False, sections=None,
+            sections_interleaved=False):
     """Rotated copies of q [.., hq, d] and k [.., hk, d] in one launch."""
     static, arrays = _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens,
-                              layout, cp_size, cp_rank, interleaved, rotary_dim, head_dim)
+                              layout, cp_size, cp_rank, interleaved, rotary_dim, head_dim,
+                              sections=sections, sections_interleaved=sections_interleaved)
     return _rope_qk(static, bool(backward), jnp.asarray(q), jnp.asarray(k), arrays)
 
 
@@ -364,7 +399,7 @@ def _named_params(fn) -> frozenset:
 def rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=None,
              packing="concat", inv_freq=None, freqs=None, positions=None, offsets=None,
              layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0, interleaved=False,
-             rotary_dim=None):
+             rotary_dim=None, sections=None, sections_interleaved=False):
     """Packed projection output -> (rotated q [.., hq, d], rotated k, v [.., hk, d]).
 
     ``qkv``: token axes ([b, s] / [s, b] / [T]) then [(hq + 2 hk) * d] or
@@ -379,19 +414,20 @@ def rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=Non
     hq, hk = int(num_q_heads), int(num_kv_heads)
     args = (cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens, layout, cp_size,
             cp_rank, interleaved, rotary_dim)
+    axes = {"sections": sections, "sections_interleaved": sections_interleaved}
     if {"out_q", "out_k", "out_v"} <= _named_params(api.apply_rope_qkv):
         extra = {"num_q_heads": hq, "num_kv_heads": hk, "packing": packing}
-        static, arrays = _collect(*args, head_dim, extra=extra)
+        static, arrays = _collect(*args, head_dim, extra=extra, **axes)
         bwd_extra = {"packing": packing}
         named = _named_params(api.apply_rope_qkv_backward)
         bwd_extra.update({k: v for k, v in (("num_q_heads", hq), ("num_kv_heads", hk))
                           if k in named})
         # dq, dk, dv are [.., h, d]: the packed output's shape says the rest.
-        bwd_static, _ = _collect(*args, None, extra=bwd_extra)
+        bwd_static, _ = _collect(*args, None, extra=bwd_extra, **axes)
         geometry = (hq, hk, head_dim, layout, tuple(qkv.shape))
         return _rope_qkv(static, bwd_static, geometry, qkv, arrays)
     q, k, v = _split_qkv(qkv, hq, hk, head_dim, packing, layout)
-    static, arrays = _collect(*args, None)
+    static, arrays = _collect(*args, None, **axes)
     q, k = _rope_qk(static, False, q, k, arrays)
     return q, k, v
 

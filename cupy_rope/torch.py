@@ -26,6 +26,15 @@ backward op packs dq, dk, dv back into the layout of the packed input.
 Gradients flow to x / q / k / qkv only: the angle sources (``cos``, ``sin``,
 ``cos_sin_cache``, ``inv_freq``, ``freqs``) are treated as constants.
 
+Per-axis positions (M-RoPE, axial RoPE): every op and wrapper takes
+``sections`` (1 to 3 frequency counts, one per position axis, summing to
+rotary_dim / 2) and ``sections_interleaved`` (Qwen3-VL's assignment, 3
+sections), with ``positions`` then [axes, s] / [axes, b, s] (bshd/sbhd) or
+[axes, t] (thd); see :func:`cupy_rope.apply_rope`. In the operator schemas
+they are the last two arguments, ``int[]? sections=None, bool
+sections_interleaved=False``, so positional calls written for the earlier
+schemas still work.
+
 Kernels are enqueued on torch's current stream, outputs are allocated with
 ``torch.empty_like`` / ``torch.empty`` (torch's caching allocator) and passed
 to the library as ``out=``, and nothing synchronizes, so the ops can be
@@ -45,7 +54,8 @@ is slow but lets the autograd and compile plumbing be exercised without a GPU.
 
 import functools
 import inspect
-from typing import Optional, Tuple
+import operator
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -60,11 +70,12 @@ _ANGLE_NAMES = ("cos", "sin", "inv_freq", "freqs", "cos_sin_cache", "positions",
                 "cu_seqlens")
 _NT = len(_ANGLE_NAMES)  # optional tensor arguments of every op, after the data tensors
 _NSTATIC = 7  # then: offset, layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank
+_NAXES = 2  # and, last in every schema: sections, sections_interleaved
 
 
 # ------------------------------------------------------------ call helpers --
 def _library_kwargs(tensors, offset, layout, interleaved, rotary_dim, head_dim, cp_size,
-                    cp_rank) -> dict:
+                    cp_rank, sections=None, sections_interleaved=False) -> dict:
     """Keyword arguments for the library call; defaults are left out."""
     kw = {n: t for n, t in zip(_ANGLE_NAMES, tensors) if t is not None}
     if "offsets" not in kw and offset:
@@ -79,6 +90,10 @@ def _library_kwargs(tensors, offset, layout, interleaved, rotary_dim, head_dim, 
         kw["head_dim"] = int(head_dim)
     if cp_size != 1 or cp_rank != 0:
         kw["cp_size"], kw["cp_rank"] = int(cp_size), int(cp_rank)
+    if sections is not None:
+        kw["sections"] = tuple(int(v) for v in sections)
+    if sections_interleaved:
+        kw["sections_interleaved"] = True
     return kw
 
 
@@ -128,32 +143,39 @@ def _as_new_output(r: Tensor, like_storage: Tensor, shape) -> Tensor:
 
 # The operators all take, after their data tensors, the same optional tensors
 # (_ANGLE_NAMES) and the same static arguments (offset, layout, interleaved,
-# rotary_dim, head_dim, cp_size, cp_rank); rope and rope_qk end with
-# ``backward``, rope_qkv with (num_q_heads, num_kv_heads, packing), and
-# rope_qkv_backward with those and the packed shape. Everything is positional
-# (register_autograd refuses keyword-only tensors).
+# rotary_dim, head_dim, cp_size, cp_rank); rope and rope_qk then take
+# ``backward``, rope_qkv (num_q_heads, num_kv_heads, packing), and
+# rope_qkv_backward those and the packed shape; every op ends with the
+# per-axis arguments (_AXES, with defaults, so that positional calls of the
+# earlier schemas keep working). Everything is positional (register_autograd
+# refuses keyword-only tensors).
 _COMMON = ("Tensor? cos, Tensor? sin, Tensor? inv_freq, Tensor? freqs, Tensor? cos_sin_cache, "
            "Tensor? positions, Tensor? offsets, Tensor? cu_seqlens, SymInt offset, str layout, "
            "bool interleaved, SymInt? rotary_dim, SymInt? head_dim, SymInt cp_size, "
            "SymInt cp_rank")
+_AXES = ", int[]? sections=None, bool sections_interleaved=False"
+_AXES_DEFAULTS = {"sections": None, "sections_interleaved": False}
 
 
 def _kwargs_of(common: tuple, head_dim=True) -> dict:
-    """Library keyword arguments from the common op arguments (tensors, then statics)."""
+    """Library keyword arguments from the common op arguments (tensors, statics,
+    then the per-axis arguments)."""
     tensors, static = common[:_NT], common[_NT:]
-    offset, layout, interleaved, rotary_dim, hd, cp_size, cp_rank = static
+    offset, layout, interleaved, rotary_dim, hd, cp_size, cp_rank, sections, sec_inter = static
     return _library_kwargs(tensors, offset, layout, interleaved, rotary_dim,
-                           hd if head_dim else None, cp_size, cp_rank)
+                           hd if head_dim else None, cp_size, cp_rank, sections, sec_inter)
 
 
 def _define(name: str, data: str, extra: str, returns: str, impl, mutates=()):
     """A ``torch.library.custom_op`` with an explicit schema; ``impl`` gets {name: arg}."""
-    params = f"{data}, {_COMMON}{extra}"
+    params = f"{data}, {_COMMON}{extra}{_AXES}"
     schema = f"({params}) -> {returns}"
-    names = [p.split()[-1] for p in params.split(",")]
+    names = [p.split("=")[0].split()[-1] for p in params.split(",")]
 
     def fn(*args):
-        return impl(dict(zip(names, args)))
+        # The dispatcher leaves out trailing arguments that the caller did not
+        # pass (those with defaults): fill them in.
+        return impl({**_AXES_DEFAULTS, **dict(zip(names, args))})
 
     fn.__name__ = name
     return torch.library.custom_op(f"{_NS}::{name}", fn, mutates_args=mutates, schema=schema)
@@ -161,10 +183,12 @@ def _define(name: str, data: str, extra: str, returns: str, impl, mutates=()):
 
 _ORDER = _ANGLE_NAMES + ("offset", "layout", "interleaved", "rotary_dim", "head_dim", "cp_size",
                          "cp_rank")
+_AXES_ORDER = ("sections", "sections_interleaved")
 
 
 def _common(a: dict) -> tuple:
-    return tuple(a[n] for n in _ORDER)
+    """The common arguments, then the per-axis ones (what _kwargs_of takes)."""
+    return tuple(a[n] for n in _ORDER + _AXES_ORDER)
 
 
 # ------------------------------------------------------------ rope (one x) --
@@ -185,20 +209,26 @@ _rope_op.register_fake(lambda x, *args: torch.empty_like(x))
 _rope_inplace_op.register_fake(lambda x, *args: None)
 
 
-def _save_common(ctx, inputs, n_data):
+def _save_common(ctx, inputs, n_data, n_extra):
+    """Save the angle tensors; keep the statics, the op's own ``n_extra``
+    arguments (``ctx.rest``) and the per-axis arguments (``ctx.axes``)."""
     ctx.save_for_backward(*inputs[n_data:n_data + _NT])
-    ctx.static = tuple(inputs[n_data + _NT:n_data + _NT + _NSTATIC])
-    ctx.rest = tuple(inputs[n_data + _NT + _NSTATIC:])
+    start = n_data + _NT + _NSTATIC
+    ctx.static = tuple(inputs[n_data + _NT:start])
+    ctx.rest = tuple(inputs[start:start + n_extra])
+    axes = tuple(inputs[start + n_extra:start + n_extra + _NAXES])
+    ctx.axes = axes + tuple(_AXES_DEFAULTS[n] for n in _AXES_ORDER[len(axes):])
 
 
 def _rope_setup(ctx, inputs, output):
-    _save_common(ctx, inputs, 1)
+    _save_common(ctx, inputs, 1, 1)
 
 
 def _rope_backward(ctx, grad):
     (backward,) = ctx.rest
-    dx = torch.ops.cupy_rope.rope(grad, *ctx.saved_tensors, *ctx.static, not backward)
-    return (dx,) + (None,) * (_NT + _NSTATIC + 1)
+    dx = torch.ops.cupy_rope.rope(grad, *ctx.saved_tensors, *ctx.static, not backward,
+                                  *ctx.axes)
+    return (dx,) + (None,) * (_NT + _NSTATIC + 1 + _NAXES)
 
 
 _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
@@ -226,14 +256,14 @@ _rope_qk_inplace_op.register_fake(lambda q, k, *args: None)
 
 
 def _rope_qk_setup(ctx, inputs, output):
-    _save_common(ctx, inputs, 2)
+    _save_common(ctx, inputs, 2, 1)
 
 
 def _rope_qk_backward(ctx, grad_q, grad_k):
     (backward,) = ctx.rest
     dq, dk = torch.ops.cupy_rope.rope_qk(grad_q, grad_k, *ctx.saved_tensors, *ctx.static,
-                                         not backward)
-    return (dq, dk) + (None,) * (_NT + _NSTATIC + 1)
+                                         not backward, *ctx.axes)
+    return (dq, dk) + (None,) * (_NT + _NSTATIC + 1 + _NAXES)
 
 
 _rope_qk_op.register_autograd(_rope_qk_backward, setup_context=_rope_qk_setup)
@@ -305,33 +335,35 @@ _rope_qkv_backward_op = _define("rope_qkv_backward", "Tensor dq, Tensor dk, Tens
                                 _QKV_EXTRA + ", SymInt[] packed_shape", "Tensor",
                                 _rope_qkv_backward_impl)
 _rope_qkv_op.register_fake(_rope_qkv_fake)
-_rope_qkv_backward_op.register_fake(lambda dq, dk, dv, *args: dq.new_empty(args[-1]))
+# packed_shape follows the common arguments and (num_q_heads, num_kv_heads, packing).
+_rope_qkv_backward_op.register_fake(
+    lambda dq, dk, dv, *args: dq.new_empty(args[_NT + _NSTATIC + 3]))
 
 
 def _rope_qkv_setup(ctx, inputs, output):
-    _save_common(ctx, inputs, 1)
+    _save_common(ctx, inputs, 1, 3)
     ctx.packed_shape = list(inputs[0].shape)
 
 
 def _rope_qkv_grad(ctx, dq, dk, dv):
     dqkv = torch.ops.cupy_rope.rope_qkv_backward(dq, dk, dv, *ctx.saved_tensors, *ctx.static,
-                                                 *ctx.rest, ctx.packed_shape)
-    return (dqkv,) + (None,) * (_NT + _NSTATIC + 3)
+                                                 *ctx.rest, ctx.packed_shape, *ctx.axes)
+    return (dqkv,) + (None,) * (_NT + _NSTATIC + 3 + _NAXES)
 
 
 _rope_qkv_op.register_autograd(_rope_qkv_grad, setup_context=_rope_qkv_setup)
 
 
 def _rope_qkv_backward_setup(ctx, inputs, output):
-    _save_common(ctx, inputs, 3)
+    _save_common(ctx, inputs, 3, 4)
 
 
 def _rope_qkv_backward_grad(ctx, grad):
     # The backward op is linear (rotate by -theta, then pack); its own
     # gradient is the forward op (unpack, then rotate by +theta).
     q, k, v = torch.ops.cupy_rope.rope_qkv(grad, *ctx.saved_tensors, *ctx.static,
-                                           *ctx.rest[:3])
-    return (q, k, v) + (None,) * (_NT + _NSTATIC + 4)
+                                           *ctx.rest[:3], *ctx.axes)
+    return (q, k, v) + (None,) * (_NT + _NSTATIC + 4 + _NAXES)
 
 
 _rope_qkv_backward_op.register_autograd(_rope_qkv_backward_grad,
@@ -351,6 +383,22 @@ def _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_se
             layout, bool(interleaved), rotary_dim, head_dim, int(cp_size), int(cp_rank))
 
 
+def _axes_args(sections, sections_interleaved) -> tuple:
+    """The per-axis op arguments: (a list of ints, or None; a bool)."""
+    if sections is not None:
+        try:
+            if isinstance(sections, (str, bytes)) or any(isinstance(v, bool) for v in sections):
+                raise TypeError
+            sections = [operator.index(v) for v in sections]
+        except TypeError:
+            raise TypeError("sections: expected a sequence of ints (frequencies per position "
+                            f"axis), got {sections!r}") from None
+    if not isinstance(sections_interleaved, bool):
+        raise TypeError("sections_interleaved: expected a bool, got "
+                        f"{type(sections_interleaved).__name__}")
+    return sections, sections_interleaved
+
+
 def _records_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -359,23 +407,28 @@ def rope(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, 
          inv_freq=None, freqs=None, cos_sin_cache=None, positions=None, offsets=None,
          layout: str = "bshd", cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
          interleaved: bool = False, rotary_dim: Optional[int] = None,
-         head_dim: Optional[int] = None, backward: bool = False) -> Tensor:
+         head_dim: Optional[int] = None, backward: bool = False,
+         sections: Optional[Sequence[int]] = None, sections_interleaved: bool = False) -> Tensor:
     """Rotated copy of ``x`` (see :func:`cupy_rope.apply_rope` for the arguments).
 
     Differentiable with respect to ``x`` (the gradient is the same kernel with
     ``backward`` flipped); traceable by ``torch.compile(fullgraph=True)`` and
-    capturable in a CUDA graph.
+    capturable in a CUDA graph. M-RoPE / axial RoPE: ``sections`` (frequencies
+    per position axis) and ``sections_interleaved``, with ``positions``
+    [axes, s] / [axes, b, s] (thd: [axes, t]).
     """
     args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
-    return torch.ops.cupy_rope.rope(x, *args, bool(backward))
+    axes = _axes_args(sections, sections_interleaved)
+    return torch.ops.cupy_rope.rope(x, *args, bool(backward), *axes)
 
 
 def rope_(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, *,
           inv_freq=None, freqs=None, cos_sin_cache=None, positions=None, offsets=None,
           layout: str = "bshd", cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
           interleaved: bool = False, rotary_dim: Optional[int] = None,
-          head_dim: Optional[int] = None, backward: bool = False) -> Tensor:
+          head_dim: Optional[int] = None, backward: bool = False,
+          sections: Optional[Sequence[int]] = None, sections_interleaved: bool = False) -> Tensor:
     """Rotate ``x`` in place and return it (channels past ``rotary_dim`` untouched).
 
     With autograd recording for ``x``, the result is computed out of place and
@@ -383,12 +436,13 @@ def rope_(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
     """
     args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
+    axes = _axes_args(sections, sections_interleaved)
     if _records_grad(x):
         # Out of place copies channels past rotary_dim bit-exact, so copying
         # the whole result back leaves them as they were.
-        x.copy_(torch.ops.cupy_rope.rope(x, *args, bool(backward)))
+        x.copy_(torch.ops.cupy_rope.rope(x, *args, bool(backward), *axes))
         return x
-    torch.ops.cupy_rope.rope_(x, *args, bool(backward))
+    torch.ops.cupy_rope.rope_(x, *args, bool(backward), *axes)
     return x
 
 
@@ -396,30 +450,36 @@ def rope_qk(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Te
             *, inv_freq=None, freqs=None, cos_sin_cache=None, positions=None, offsets=None,
             layout: str = "bshd", cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
             interleaved: bool = False, rotary_dim: Optional[int] = None,
-            head_dim: Optional[int] = None, backward: bool = False) -> Tuple[Tensor, Tensor]:
+            head_dim: Optional[int] = None, backward: bool = False,
+            sections: Optional[Sequence[int]] = None,
+            sections_interleaved: bool = False) -> Tuple[Tensor, Tensor]:
     """Rotated copies of q [.., hq, d] and k [.., hk, d] in one launch (any hq, hk)."""
     args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
-    return torch.ops.cupy_rope.rope_qk(q, k, *args, bool(backward))
+    axes = _axes_args(sections, sections_interleaved)
+    return torch.ops.cupy_rope.rope_qk(q, k, *args, bool(backward), *axes)
 
 
 def rope_qk_(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
              *, inv_freq=None, freqs=None, cos_sin_cache=None, positions=None, offsets=None,
              layout: str = "bshd", cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
              interleaved: bool = False, rotary_dim: Optional[int] = None,
-             head_dim: Optional[int] = None, backward: bool = False) -> Tuple[Tensor, Tensor]:
+             head_dim: Optional[int] = None, backward: bool = False,
+             sections: Optional[Sequence[int]] = None,
+             sections_interleaved: bool = False) -> Tuple[Tensor, Tensor]:
     """Rotate q and k in place in one launch and return ``(q, k)``.
 
     With autograd recording for q or k, computed out of place and copied back.
     """
     args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
+    axes = _axes_args(sections, sections_interleaved)
     if _records_grad(q, k):
-        yq, yk = torch.ops.cupy_rope.rope_qk(q, k, *args, bool(backward))
+        yq, yk = torch.ops.cupy_rope.rope_qk(q, k, *args, bool(backward), *axes)
         q.copy_(yq)
         k.copy_(yk)
         return q, k
-    torch.ops.cupy_rope.rope_qk_(q, k, *args, bool(backward))
+    torch.ops.cupy_rope.rope_qk_(q, k, *args, bool(backward), *axes)
     return q, k
 
 
@@ -428,7 +488,8 @@ def rope_qkv(qkv: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = 
              packing: str = "concat", inv_freq=None, freqs=None, cos_sin_cache=None,
              positions=None, offsets=None, layout: str = "bshd", cu_seqlens=None,
              cp_size: int = 1, cp_rank: int = 0, interleaved: bool = False,
-             rotary_dim: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+             rotary_dim: Optional[int] = None, sections: Optional[Sequence[int]] = None,
+             sections_interleaved: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """Split a packed projection output into new rotated q, rotated k and v.
 
     ``qkv``: token axes ([b, s] / [s, b] / [T]) then [(hq + 2 hk) * d] or
@@ -439,8 +500,9 @@ def rope_qkv(qkv: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = 
     """
     args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
+    axes = _axes_args(sections, sections_interleaved)
     return torch.ops.cupy_rope.rope_qkv(qkv, *args, int(num_q_heads), int(num_kv_heads),
-                                        packing)
+                                        packing, *axes)
 
 
 apply_rope = rope

@@ -85,7 +85,10 @@ def test_mrope_matches_transformers_on_gpu(rng):
                                                          "mrope_section": [16, 24, 24]})
     rotary = m.Qwen2VLRotaryEmbedding(cfg).cuda()
     pos = torch.as_tensor(rng.integers(0, 4000, (3, b, s)), device="cuda")
-    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+    # transformers forms the angle position * inv_freq in fp32: at positions up
+    # to 4000 its own angles are off by up to ~4000 * 2^-24 rad, so fp32 agrees
+    # to a few 1e-4 (our angles are checked against float64 elsewhere).
+    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 2e-2)):
         q = torch.randn(b, hq, s, d, device="cuda", dtype=dtype)
         k = torch.randn(b, hk, s, d, device="cuda", dtype=dtype)
         cos, sin = rotary(q, pos)

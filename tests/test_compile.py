@@ -52,12 +52,13 @@ def test_params_struct_matches_kernel_header():
     def fields(struct):
         body = re.search(r"struct %s \{(.*?)\};" % struct, text, re.S).group(1)
         return [(m.group(1).split()[-1].strip("*"), m.group(2), m.group(3))
-                for m in re.finditer(r"([\w\s\*]*?)\s*\b(\w+)(\[MAX_SLABS\])?;", body)]
+                for m in re.finditer(r"([\w\s\*]*?)\s*\b(\w+)(?:\[(\w+)\])?;", body)]
 
     def expand(struct, prefix=""):
         names = []
         for type_, name, array in fields(struct):
-            for i in range(slabs) if array else [None]:
+            n = None if array is None else slabs if array == "MAX_SLABS" else int(array)
+            for i in range(n) if n else [None]:
                 full = prefix + name + (f"[{i}]" if i is not None else "")
                 if type_ in ("View", "Slab"):
                     names += expand(type_, full + ".")

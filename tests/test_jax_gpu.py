@@ -18,10 +18,42 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 
 # ------------------------------------------------------------- reference --
+def axis_of_frequency(sections, sections_interleaved):
+    """The position axis of each frequency: contiguous sections (Qwen2-VL, axial),
+    or Qwen3-VL's interleaving (T H W T H W ... while H and W last, then T)."""
+    if not sections_interleaved:
+        return np.repeat(np.arange(len(sections)), sections)
+    axis = []
+    for f in range(sum(sections)):
+        a = f % 3
+        axis.append(a if a and f < 3 * sections[a] else 0)
+    return np.array(axis)
+
+
 def ref_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, offsets=None,
-             layout="bshd", cu_seqlens=None, interleaved=False, rotary_dim=None, backward=False):
-    """Pure-JAX float32 reference (x upcast), differentiable by jax.grad in x."""
+             layout="bshd", cu_seqlens=None, interleaved=False, rotary_dim=None, backward=False,
+             sections=None, sections_interleaved=False):
+    """Pure-JAX float32 reference (x upcast), differentiable by jax.grad in x.
+
+    With ``sections``, positions are [axes, s] / [axes, b, s] (thd: [axes, t])
+    and frequency f turns by the position of its axis."""
     x = x.astype(jnp.float32)
+    if sections is not None:
+        pos = np.asarray(positions)
+        if layout != "thd":
+            b, s = (x.shape[0], x.shape[1]) if layout == "bshd" else (x.shape[1], x.shape[0])
+            pos = np.broadcast_to(pos.reshape(pos.shape[0], -1, s), (pos.shape[0], b, s))
+            if layout == "sbhd":
+                pos = pos.transpose(0, 2, 1)
+        # [tokens..., r/2]: each frequency at the position of its axis
+        pos = np.moveaxis(pos[axis_of_frequency(sections, sections_interleaved)], 0, -1)
+        f = np.arange(pos.shape[-1])
+        if inv_freq is not None:
+            theta = pos.astype(np.float64) * np.asarray(inv_freq, np.float64)
+            c, s_ = jnp.asarray(np.cos(theta), jnp.float32), jnp.asarray(np.sin(theta), jnp.float32)
+        else:
+            c, s_ = cos[pos, f].astype(jnp.float32), sin[pos, f].astype(jnp.float32)
+        return _rotate(x, c, s_, interleaved, rotary_dim, backward)
     if layout == "thd":
         T = x.shape[0]
         if positions is not None:
@@ -46,6 +78,11 @@ def ref_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None
         c, s_ = jnp.cos(freqs[pos]), jnp.sin(freqs[pos])
     else:
         c, s_ = cos[pos].astype(jnp.float32), sin[pos].astype(jnp.float32)
+    return _rotate(x, c, s_, interleaved, rotary_dim, backward)
+
+
+def _rotate(x, c, s_, interleaved, rotary_dim, backward):
+    """x [tokens..., h, d] rotated by angles whose cos, sin are [tokens..., r/2]."""
     c, s_ = c[..., None, :], s_[..., None, :]
     if backward:
         s_ = -s_
@@ -220,3 +257,88 @@ def test_rope_qkv(jit, packing):
 
     check(lambda qkv: crj.rope_qkv(qkv, num_q_heads=hq, num_kv_heads=hk, packing=packing, **kw),
           ref, [qkv], "float32", f"rope_qkv {packing}", jit)
+
+
+# ----------------------------------------------- M-RoPE / axial RoPE ----
+# scheme: (sections, interleaved pairs, sections_interleaved, angle source); head_dim 64.
+MROPE = {"mrope": ((8, 12, 12), False, False, "table"),                 # Qwen2-VL
+         "mrope_interleaved": ((12, 10, 10), False, True, "inv_freq"),  # Qwen3-VL
+         "axial2d": ((16, 16), True, False, "inv_freq")}               # Flux-like
+
+
+def mrope_kwargs(scheme, tokens, seed=20, rows=256, d=64):
+    sections, interleaved, sec_inter, source = MROPE[scheme]
+    if interleaved:  # axial: each axis its own frequency ladder
+        inv = np.concatenate([1.0 / 10000 ** (np.arange(n) / n) for n in sections])
+    else:
+        inv = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
+    pos = jax.random.randint(jax.random.PRNGKey(seed), (len(sections),) + tuple(tokens), 0,
+                             rows, jnp.int32)
+    kw = dict(positions=pos, sections=sections, sections_interleaved=sec_inter,
+              interleaved=interleaved)
+    if source == "inv_freq":
+        kw["inv_freq"] = jnp.asarray(inv, jnp.float32)
+    else:
+        theta = np.arange(rows)[:, None] * inv
+        kw["cos"] = jnp.asarray(np.cos(theta), jnp.float32)
+        kw["sin"] = jnp.asarray(np.sin(theta), jnp.float32)
+    return kw
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("scheme", list(MROPE))
+def test_mrope_values_and_grad(jit, scheme):
+    kw = mrope_kwargs(scheme, (2, 12))
+    x = randn(21, (2, 12, 4, 64), "float32")
+    check(lambda x: crj.rope(x, **kw), lambda x: ref_rope(x, **kw), [x], "float32",
+          f"rope {scheme}", jit)
+    q, k = randn(22, (2, 12, 4, 64), "bfloat16"), randn(23, (2, 12, 2, 64), "bfloat16")
+    check(lambda q, k: crj.rope_qk(q, k, **kw),
+          lambda q, k: (ref_rope(q, **kw), ref_rope(k, **kw)), [q, k], "bfloat16",
+          f"rope_qk {scheme}", jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_mrope_thd_and_shared_positions(jit):
+    kw = dict(mrope_kwargs("mrope_interleaved", (23,)), layout="thd")
+    q, k = randn(24, (23, 4, 64), "float32"), randn(25, (23, 1, 64), "float32")
+    check(lambda q, k: crj.rope_qk(q, k, **kw),
+          lambda q, k: (ref_rope(q, **kw), ref_rope(k, **kw)), [q, k], "float32",
+          "rope_qk thd", jit)
+    kw = dict(mrope_kwargs("mrope", (12,)), backward=True)  # [3, s]: shared by the batch
+    x = randn(26, (2, 12, 4, 64), "float32")
+    check(lambda x: crj.rope(x, **kw), lambda x: ref_rope(x, **kw), [x], "float32",
+          "rope [3, s] backward=True", jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("packing", ["concat", "grouped"])
+def test_mrope_rope_qkv(jit, packing):
+    hq, hk, d = 4, 2, 64
+    kw = mrope_kwargs("mrope", (2, 12))
+    qkv = randn(27, (2, 12, (hq + 2 * hk) * d), "float32")
+
+    def ref(qkv):
+        q, k, v = _split(qkv, hq, hk, packing)
+        return ref_rope(q, **kw), ref_rope(k, **kw), v
+
+    check(lambda qkv: crj.rope_qkv(qkv, num_q_heads=hq, num_kv_heads=hk, packing=packing, **kw),
+          ref, [qkv], "float32", f"rope_qkv {packing}", jit)
+
+
+def test_mrope_traced_positions_no_recompile():
+    """Per-axis positions as a jit argument: new positions reuse the program."""
+    kw = mrope_kwargs("mrope_interleaved", (2, 12))
+    pos0 = kw.pop("positions")
+
+    @jax.jit
+    def f(x, positions):
+        return crj.rope(x, positions=positions, **kw) * 2.0
+
+    x = randn(28, (2, 12, 4, 64), "float32")
+    for i in range(2):
+        pos = pos0 + 7 * i
+        y = f(x, pos)
+        assert_close(np.asarray(y), np.asarray(ref_rope(x, positions=pos, **kw) * 2.0),
+                     "float32", f"traced positions, call {i}")
+    assert f._cache_size() == 1

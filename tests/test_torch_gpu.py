@@ -16,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import cupy_rope  # noqa: E402
 from conftest import assert_close  # noqa: E402
 
 crt = pytest.importorskip("cupy_rope.torch")
@@ -440,3 +441,230 @@ def test_runs_on_the_current_stream_forward_and_backward():
     assert_close(gx_done.cpu().numpy(),
                  ref_rope(g_host, inv_freq=t["inv_freq"], backward=True).numpy(),
                  "float32", "side stream grad")
+
+
+# ----------------------------------------------- M-RoPE / axial RoPE ----
+# scheme: (sections, interleaved pairs, sections_interleaved); head_dim 64.
+MROPE = {"mrope": ((8, 12, 12), False, False),            # Qwen2-VL
+         "mrope_interleaved": ((12, 10, 10), False, True),  # Qwen3-VL
+         "axial2d": ((16, 16), True, False)}               # Flux-like, GPT-J pairs
+
+
+def mrope_kwargs(scheme, tokens, source="inv_freq", d=64, rows=256):
+    """Angle and per-axis position arguments (device tensors) for ``scheme``."""
+    sections, interleaved, sec_inter = MROPE[scheme]
+    # each axis its own frequencies (axial RoPE); for M-RoPE one ladder over r/2
+    inv = (torch.cat([1.0 / 10000 ** (torch.arange(n, dtype=torch.float64) / n)
+                      for n in sections]) if interleaved else
+           1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    pos = torch.randint(0, rows, (len(sections),) + tuple(tokens), device=DEV)
+    kw = dict(positions=pos, sections=sections, sections_interleaved=sec_inter,
+              interleaved=interleaved)
+    if source == "inv_freq":
+        kw["inv_freq"] = inv.to(DEV, torch.float32)
+    else:
+        theta = torch.arange(rows, dtype=torch.float64)[:, None] * inv
+        kw["cos"], kw["sin"] = theta.cos().to(DEV, torch.float32), theta.sin().to(DEV, torch.float32)
+    return kw
+
+
+def np64(t):
+    """float64 (floats) / int64 (ints) NumPy copy of a tensor: the library's reference path."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t.detach().cpu()
+    return (t.double() if t.is_floating_point() else t.long()).numpy()
+
+
+def np_kwargs(kw):
+    return {n: np64(v) for n, v in kw.items()}
+
+
+def vs_numpy(fn, fwd_ref, bwd_ref, inputs, dtype, what):
+    """Outputs and autograd gradients of ``fn`` against the library's float64 NumPy
+    reference: ``fwd_ref(*inputs)`` and ``bwd_ref(*cotangents)`` (the op is linear)."""
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    cots = [torch.randn_like(o) for o in outs]
+    grads = torch.autograd.grad(outs, inputs, cots)
+    ref_outs = fwd_ref(*[np64(i) for i in inputs])
+    ref_outs = ref_outs if isinstance(ref_outs, tuple) else (ref_outs,)
+    ref_grads = bwd_ref(*[np64(c) for c in cots])
+    ref_grads = ref_grads if isinstance(ref_grads, tuple) else (ref_grads,)
+    assert len(ref_outs) == len(outs) and len(ref_grads) == len(grads)
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        assert o.dtype == inputs[0].dtype and o.device == inputs[0].device
+        assert_close(o.detach().float().cpu().numpy(), r, dtype, f"{what} out{i}")
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert g.shape == inputs[i].shape
+        assert_close(g.float().cpu().numpy(), np.reshape(r, g.shape), dtype, f"{what} grad{i}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scheme", list(MROPE))
+def test_mrope_rope_and_rope_qk(dtype, scheme):
+    """Per-axis positions [axes, b, s]: rope and rope_qk (GQA), values and gradients."""
+    kw = mrope_kwargs(scheme, (2, 12), source="table" if scheme == "mrope" else "inv_freq")
+    hk = np_kwargs(kw)
+    x = randn((2, 12, 4, 64), dtype)
+    vs_numpy(lambda x: crt.rope(x, **kw),
+             lambda x: cupy_rope.apply_rope(x, **hk),
+             lambda g: cupy_rope.apply_rope(g, backward=True, **hk), [x], dtype,
+             f"rope {scheme}")
+    q, k = randn((2, 12, 4, 64), dtype), randn((2, 12, 2, 64), dtype)
+    vs_numpy(lambda q, k: crt.rope_qk(q, k, **kw),
+             lambda q, k: cupy_rope.apply_rope_qk(q, k, **hk),
+             lambda gq, gk: cupy_rope.apply_rope_qk(gq, gk, backward=True, **hk), [q, k], dtype,
+             f"rope_qk {scheme}")
+
+
+def test_mrope_thd_inplace_and_shared_positions():
+    """thd with positions [axes, t]; bshd with positions [axes, s] shared by the batch;
+    the in-place ops, with and without autograd."""
+    kw = mrope_kwargs("mrope_interleaved", (23,))
+    kw["layout"] = "thd"
+    hk = np_kwargs(kw)
+    q, k = randn((23, 4, 64), "float32"), randn((23, 1, 64), "float32")
+    vs_numpy(lambda q, k: crt.rope_qk(q, k, **kw),
+             lambda q, k: cupy_rope.apply_rope_qk(q, k, **hk),
+             lambda gq, gk: cupy_rope.apply_rope_qk(gq, gk, backward=True, **hk), [q, k],
+             "float32", "rope_qk thd")
+    kw = mrope_kwargs("mrope", (12,))  # positions [3, s]: every batch entry alike
+    hk = np_kwargs(kw)
+    w = randn((2, 12, 4, 64), "float32")
+
+    def ours(w):
+        x = w * 1.0  # non-leaf, so it can be modified in place under autograd
+        return crt.rope_(x, **kw)
+
+    vs_numpy(ours, lambda x: cupy_rope.apply_rope(x, **hk),
+             lambda g: cupy_rope.apply_rope(g, backward=True, **hk), [w], "float32",
+             "rope_ with grad")
+    with torch.no_grad():
+        q, k = w.detach().clone(), w.detach()[:, :, :1].clone()
+        crt.rope_qk_(q, k, **kw)
+    assert_close(q.cpu().numpy(), cupy_rope.apply_rope(np64(w), **hk), "float32", "rope_qk_ q")
+    assert_close(k.cpu().numpy(), cupy_rope.apply_rope(np64(w)[:, :, :1], **hk), "float32",
+                 "rope_qk_ k")
+
+
+@pytest.mark.parametrize("packing", ["concat", "grouped"])
+def test_mrope_rope_qkv(packing):
+    hq, hk, d = 4, 2, 64
+    kw = mrope_kwargs("mrope", (2, 12))
+    hkw = np_kwargs(kw)
+    qkv = randn((2, 12, (hq + 2 * hk) * d), "bfloat16")
+    vs_numpy(lambda qkv: crt.rope_qkv(qkv, num_q_heads=hq, num_kv_heads=hk, packing=packing,
+                                      **kw),
+             lambda qkv: tuple(cupy_rope.apply_rope_qkv(qkv, num_q_heads=hq, num_kv_heads=hk,
+                                                        packing=packing, **hkw)),
+             lambda dq, dk, dv: cupy_rope.apply_rope_qkv_backward(dq, dk, dv, packing=packing,
+                                                                  **hkw),
+             [qkv], "bfloat16", f"rope_qkv {packing}")
+
+
+def test_mrope_opcheck():
+    """The schemas' per-axis arguments (last, with defaults) under torch.library.opcheck."""
+    kw = mrope_kwargs("mrope_interleaved", (2, 8))
+    x = torch.randn(2, 8, 2, 64, device=DEV)
+    k = torch.randn(2, 8, 1, 64, device=DEV)
+    # cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens, offset,
+    # layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank
+    common = (None, None, kw["inv_freq"], None, None, kw["positions"], None, None, 0, "bshd",
+              False, None, None, 1, 0)
+    axes = (list(kw["sections"]), True)
+    torch.library.opcheck(torch.ops.cupy_rope.rope.default, (x,) + common + (False,) + axes)
+    torch.library.opcheck(torch.ops.cupy_rope.rope_.default,
+                          (x.clone(),) + common + (True,) + axes)
+    torch.library.opcheck(torch.ops.cupy_rope.rope_qk.default, (x, k) + common + (False,) + axes)
+    qkv = torch.randn(2, 8, 4 * 64, device=DEV)
+    torch.library.opcheck(torch.ops.cupy_rope.rope_qkv.default,
+                          (qkv,) + common + (2, 1, "grouped") + axes)
+
+
+class MRopeAttention(torch.nn.Module):
+    """A small GQA block whose q and k are rotated by rope_qk with per-axis positions."""
+
+    def __init__(self, dim=256, hq=4, hk=2, d=64, sections=(8, 12, 12),
+                 sections_interleaved=False):
+        super().__init__()
+        self.hq, self.hk, self.d = hq, hk, d
+        self.sections, self.sections_interleaved = sections, sections_interleaved
+        self.qkv = torch.nn.Linear(dim, (hq + 2 * hk) * d, bias=False)
+        self.out = torch.nn.Linear(hq * d, dim, bias=False)
+
+    def forward(self, x, inv_freq, positions):
+        b, s, _ = x.shape
+        hq, hk, d = self.hq, self.hk, self.d
+        q, k, v = self.qkv(x).view(b, s, hq + 2 * hk, d).split([hq, hk, hk], dim=2)
+        q, k = crt.rope_qk(q, k, inv_freq=inv_freq, positions=positions, sections=self.sections,
+                           sections_interleaved=self.sections_interleaved)
+        q, k, v = (a.transpose(1, 2) for a in (q, k, v))
+        k = k.repeat_interleave(hq // hk, dim=1)
+        v = v.repeat_interleave(hq // hk, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, s, hq * d))
+
+
+@pytest.mark.parametrize("sections_interleaved", [False, True])
+def test_mrope_compile_fullgraph_matches_eager(sections_interleaved):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    sections = (12, 10, 10) if sections_interleaved else (8, 12, 12)
+    block = MRopeAttention(sections=sections, sections_interleaved=sections_interleaved).to(DEV)
+    inv_freq = tables(64)["inv_freq"]
+    pos = torch.randint(0, 100, (3, 2, 32), device=DEV)
+    x = torch.randn(2, 32, 256, device=DEV, requires_grad=True)
+    y_eager = block(x, inv_freq, pos)
+    g = torch.randn_like(y_eager)
+    grads_eager = torch.autograd.grad(y_eager, [x] + list(block.parameters()), g)
+    compiled = torch.compile(block, fullgraph=True)  # raises on any graph break
+    y = compiled(x, inv_freq, pos)
+    grads = torch.autograd.grad(y, [x] + list(block.parameters()), g)
+    close(y, y_eager)
+    for a, b in zip(grads, grads_eager):
+        close(a, b)
+    with torch.no_grad():
+        pos2 = torch.randint(0, 100, (3, 2, 32), device=DEV)  # new positions, same graph
+        close(compiled(x, inv_freq, pos2), block(x, inv_freq, pos2))
+
+
+def test_mrope_cuda_graph_capture_and_replay():
+    """rope_qk with per-axis positions, forward and backward, captured once and
+    replayed with new inputs and new positions."""
+    kw = mrope_kwargs("mrope_interleaved", (2, 16), source="table", rows=128)
+    static_pos = torch.zeros_like(kw["positions"])
+    kw["positions"] = static_pos
+    static_q = torch.zeros(2, 16, 4, 64, device=DEV, requires_grad=True)
+    static_k = torch.zeros(2, 16, 2, 64, device=DEV, requires_grad=True)
+    static_gq = torch.zeros(2, 16, 4, 64, device=DEV)
+    static_gk = torch.zeros(2, 16, 2, 64, device=DEV)
+
+    def step():
+        yq, yk = crt.rope_qk(static_q, static_k, **kw)
+        gq, gk = torch.autograd.grad((yq, yk), (static_q, static_k), (static_gq, static_gk))
+        return yq.detach(), yk.detach(), gq, gk
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: compiles the kernels before capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(3):
+        new = [torch.randn(a.shape) for a in (static_q, static_k, static_gq, static_gk)]
+        pos = torch.randint(0, 128, tuple(static_pos.shape))
+        with torch.no_grad():
+            for dst, src in zip((static_q, static_k, static_gq, static_gk), new):
+                dst.copy_(src)
+        static_pos.copy_(pos)
+        graph.replay()
+        hk = np_kwargs({**kw, "positions": pos})
+        want = (cupy_rope.apply_rope(np64(new[0]), **hk), cupy_rope.apply_rope(np64(new[1]), **hk),
+                cupy_rope.apply_rope(np64(new[2]), backward=True, **hk),
+                cupy_rope.apply_rope(np64(new[3]), backward=True, **hk))
+        for i, (o, w) in enumerate(zip(outs, want)):
+            assert_close(o.cpu().numpy(), w, "float32", f"mrope replay {i}")
