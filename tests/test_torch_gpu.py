@@ -464,7 +464,8 @@ def mrope_kwargs(scheme, tokens, source="inv_freq", d=64, rows=256):
         kw["inv_freq"] = inv.to(DEV, torch.float32)
     else:
         theta = torch.arange(rows, dtype=torch.float64)[:, None] * inv
-        kw["cos"], kw["sin"] = theta.cos().to(DEV, torch.float32), theta.sin().to(DEV, torch.float32)
+        kw["cos"] = theta.cos().to(DEV, torch.float32)
+        kw["sin"] = theta.sin().to(DEV, torch.float32)
     return kw
 
 
