@@ -1,0 +1,125 @@
+"""The bad-input matrix: distinct bad calls across every public function,
+each refused with an exception that names the argument, and every input
+left unchanged (CPU, NumPy inputs through the shared checks)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import cupy_rope
+from cupy_rope import frequencies
+
+
+def inputs():
+    rng = np.random.default_rng(0)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    theta = np.arange(32)[:, None] * np.linspace(0.1, 1, 8)
+    return {
+        "x": f(2, 4, 3, 16), "q": f(2, 4, 4, 16), "k": f(2, 4, 2, 16),
+        "t": f(10, 3, 16), "qkv": f(2, 4, 8, 16),
+        "dq": f(2, 4, 4, 16), "dk": f(2, 4, 2, 16), "dv": f(2, 4, 2, 16),
+        "cos": np.cos(theta).astype(np.float32), "sin": np.sin(theta).astype(np.float32),
+        "inv": np.linspace(0.1, 1, 8).astype(np.float32),
+        "cu": np.array([0, 4, 10], np.int32), "pos3": np.zeros((3, 2, 4), np.int64),
+    }
+
+
+R, QK, QKV, QKVB = (cupy_rope.apply_rope, cupy_rope.apply_rope_qk, cupy_rope.apply_rope_qkv,
+                    cupy_rope.apply_rope_qkv_backward)
+
+# (id, call(a) with a = inputs(), exception, text naming the argument)
+CASES = [
+    ("x rank", lambda a: R(a["x"][0], inv_freq=a["inv"]), ValueError, "x: expected a 4-D"),
+    ("x dtype", lambda a: R(a["x"].astype(np.int32), inv_freq=a["inv"]), TypeError, "x: expected dtype"),
+    ("x not an array", lambda a: R("x", inv_freq=a["inv"]), TypeError, "x: expected an array"),
+    ("odd head_dim", lambda a: R(a["x"][..., :15], inv_freq=a["inv"][:7]), ValueError, "x: head_dim"),
+    ("no angle source", lambda a: R(a["x"]), ValueError, "pass exactly one angle source"),
+    ("two angle sources", lambda a: R(a["x"], a["cos"], a["sin"], inv_freq=a["inv"]),
+     ValueError, "pass exactly one angle source"),
+    ("cos without sin", lambda a: R(a["x"], a["cos"]), ValueError, "sin:"),
+    ("table too short", lambda a: R(a["x"], a["cos"][:3], a["sin"][:3]), ValueError, "cos: the table has 3 rows"),
+    ("negative position", lambda a: R(a["x"], a["cos"], a["sin"], positions=np.array([0, 1, -2, 3])),
+     ValueError, "positions reach -2"),
+    ("position past table", lambda a: R(a["x"], a["cos"], a["sin"], offsets=30),
+     ValueError, "positions reach 33"),
+    ("cache odd width", lambda a: R(a["x"], cos_sin_cache=a["cos"][:, :7]), ValueError, "cos_sin_cache:"),
+    ("rotary_dim > head_dim", lambda a: R(a["x"][..., :8], inv_freq=a["inv"]), ValueError, "rotary_dim: must be <="),
+    ("layout", lambda a: R(a["x"], inv_freq=a["inv"], layout="bhsd"), ValueError, "layout:"),
+    ("positions dtype", lambda a: R(a["x"], inv_freq=a["inv"], positions=np.zeros(4, np.float32)),
+     TypeError, "positions: expected dtype"),
+    ("offsets bool", lambda a: R(a["x"], inv_freq=a["inv"], offsets=True), TypeError, "offsets:"),
+    ("inplace not bool", lambda a: R(a["x"], inv_freq=a["inv"], inplace=1), TypeError, "inplace:"),
+    ("out shape", lambda a: R(a["x"], inv_freq=a["inv"], out=np.empty((2, 4, 3, 8), np.float32)),
+     ValueError, "out: expected shape"),
+    ("out overlaps x", lambda a: R(a["x"][:, :2], inv_freq=a["inv"], out=a["x"][:, 1:3]),
+     ValueError, "out: overlaps x"),
+    ("cu_seqlens dtype", lambda a: R(a["t"], inv_freq=a["inv"], layout="thd", cu_seqlens=a["cu"].astype(np.int64)),
+     TypeError, "cu_seqlens: expected dtype int32"),
+    ("cu_seqlens order", lambda a: R(a["t"], inv_freq=a["inv"], layout="thd", cu_seqlens=np.array([0, 6, 4, 10], np.int32)),
+     ValueError, "cu_seqlens: must be non-decreasing"),
+    ("cu_seqlens total", lambda a: R(a["t"], inv_freq=a["inv"], layout="thd", cu_seqlens=np.array([0, 4, 9], np.int32)),
+     ValueError, "cu_seqlens: the last entry must be 10"),
+    ("cu_seqlens strided", lambda a: R(a["t"], inv_freq=a["inv"], layout="thd", cu_seqlens=np.array([0, 0, 4, 0, 10], np.int32)[::2]),
+     ValueError, "cu_seqlens: expected a contiguous array"),
+    ("cp_rank", lambda a: R(a["x"], inv_freq=a["inv"], cp_size=2, cp_rank=-1), ValueError, "cp_rank:"),
+    ("cp with cu lengths", lambda a: R(a["t"][:5], inv_freq=a["inv"], layout="thd", cp_size=2, cu_seqlens=a["cu"]),
+     ValueError, "cu_seqlens: with cp_size=2"),
+    ("sections sum", lambda a: R(a["x"], inv_freq=a["inv"], positions=a["pos3"], sections=[1, 1, 1]),
+     ValueError, "sections: must sum"),
+    ("qk tokens", lambda a: QK(a["q"], a["k"][:, :3], inv_freq=a["inv"]), ValueError, "k: expected the token axes"),
+    ("qk dtype", lambda a: QK(a["q"], a["k"].astype(np.float16), inv_freq=a["inv"]), TypeError, "k: expected dtype"),
+    ("qk one output", lambda a: QK(a["q"], a["k"], inv_freq=a["inv"], out_k=np.empty_like(a["k"])),
+     ValueError, "out_q: pass an output for every input"),
+    ("qk in place aliasing", lambda a: QK(a["q"], a["q"], inv_freq=a["inv"], inplace=True),
+     ValueError, "overlaps"),
+    ("qkv heads", lambda a: QKV(a["qkv"], inv_freq=a["inv"], num_q_heads=4, num_kv_heads=3),
+     ValueError, "qkv: expected 10 heads"),
+    ("qkv packing", lambda a: QKV(a["qkv"], inv_freq=a["inv"], num_q_heads=4, num_kv_heads=2, packing="mixed"),
+     ValueError, "packing:"),
+    ("qkv grouped divisibility", lambda a: QKV(a["qkv"][..., :7, :], inv_freq=a["inv"], num_q_heads=3, num_kv_heads=2, packing="grouped"),
+     ValueError, "num_q_heads: packing 'grouped'"),
+    ("qkv partial outputs", lambda a: QKV(a["qkv"], inv_freq=a["inv"], num_q_heads=4, num_kv_heads=2, out_q=np.empty_like(a["q"])),
+     ValueError, "out_q, out_k, out_v: pass all three"),
+    ("qkv backward heads", lambda a: QKVB(a["dq"], a["dk"][..., :1, :], a["dv"], inv_freq=a["inv"]),
+     ValueError, "dv: expected 1 heads"),
+    ("frequencies scheme", lambda a: frequencies.rope_frequencies(16, rope_scaling={"rope_type": "warp"}),
+     ValueError, "rope_type"),
+    ("frequencies missing key", lambda a: frequencies.rope_frequencies(16, rope_scaling={"rope_type": "linear"}),
+     (ValueError, KeyError), "factor"),
+]
+
+
+@pytest.mark.parametrize("call,exc,text", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_call_names_the_argument_and_changes_nothing(call, exc, text):
+    a = inputs()
+    before = {n: v.copy() for n, v in a.items()}
+    with pytest.raises(exc, match=re.escape(text)):
+        call(a)
+    for n, v in a.items():
+        assert np.array_equal(v, before[n]), f"{n} was modified"
+
+
+def test_matrix_size():
+    assert len(CASES) >= 30
+    assert {c[1].__code__.co_names for c in CASES}  # every case calls something
+
+
+def test_missing_nvrtc_says_what_to_install(monkeypatch):
+    """A compile without NVRTC names the packages to install."""
+    import builtins
+
+    from cupy_rope import launch, specialize
+
+    real_import = builtins.__import__
+
+    def no_nvrtc(name, *args, **kwargs):
+        if name == "cupy.cuda" and args and args[2] and "nvrtc" in args[2]:
+            raise ImportError("libnvrtc.so: cannot open shared object file")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_nvrtc)
+    with pytest.raises(specialize.CompileError, match=r"cupy-rope\[cuda12\]"):
+        specialize.compile_for_arch(launch.shipped_specs()[:1], "sm_90")
