@@ -475,29 +475,6 @@ def apply_rope_qkv_backward(dq, dk, dv, cos=None, sin=None, *, packing="concat",
              packing=packing, sections=sections, sections_interleaved=sections_interleaved))
 
 
-def options_kwargs(layout="bshd", interleaved=False, rotary_dim=None, head_dim=None,
-                   cp_size=1, cp_rank=0, sections=None, sections_interleaved=False) -> dict:
-    """The options that differ from the defaults, as keyword arguments of the
-    public calls (plain Python values; the framework adapters build their
-    library calls with it)."""
-    kw = {}
-    if layout != "bshd":
-        kw["layout"] = layout
-    if interleaved:
-        kw["interleaved"] = True
-    if rotary_dim is not None:
-        kw["rotary_dim"] = int(rotary_dim)
-    if head_dim is not None:
-        kw["head_dim"] = int(head_dim)
-    if cp_size != 1 or cp_rank != 0:
-        kw["cp_size"], kw["cp_rank"] = int(cp_size), int(cp_rank)
-    if sections is not None:
-        kw["sections"] = tuple(int(v) for v in sections)
-    if sections_interleaved:
-        kw["sections_interleaved"] = True
-    return kw
-
-
 def _key_sections(sections):
     """sections as a hashable key part (a list becomes a tuple)."""
     return tuple(sections) if isinstance(sections, list) else sections
