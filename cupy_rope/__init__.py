@@ -4,10 +4,10 @@ CUDA C++ templates compiled at run time with NVRTC (through CuPy), exchanged
 with PyTorch, JAX and CuPy over DLPack without copies.
 """
 
-from .api import (apply_rope, apply_rope_backward, apply_rope_qk, apply_rope_qkv,
-                  apply_rope_qkv_backward)
+from .api import (RotaryEmbedding, apply_rope, apply_rope_backward, apply_rope_qk,
+                  apply_rope_qkv, apply_rope_qkv_backward)
 from .specialize import CompileError
 
 __all__ = ["apply_rope", "apply_rope_backward", "apply_rope_qk", "apply_rope_qkv",
-           "apply_rope_qkv_backward", "CompileError"]
+           "apply_rope_qkv_backward", "RotaryEmbedding", "CompileError"]
 __version__ = "0.1.0"

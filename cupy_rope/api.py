@@ -51,18 +51,19 @@ class _Prepared:
     """A launch plan plus what the call around it needs: output allocation,
     per-call value checks, and how to return the result."""
 
-    __slots__ = ("plan", "allocs", "out_sigs", "disjoint", "offset_range", "result")
+    __slots__ = ("plan", "allocs", "out_sigs", "disjoint", "apart", "offset_range", "result")
 
     def __init__(self, plan, allocs, out_sigs, disjoint, offset_range, result):
         self.plan, self.allocs, self.out_sigs = plan, allocs, out_sigs
         self.disjoint, self.offset_range, self.result = disjoint, offset_range, result
+        self.apart = launch.spans_apart(disjoint)
 
     def run(self, arrays, ptrs, offset):
         """Launch, or return NotImplemented if the slow path must decide."""
         r = self.offset_range
         if not (r[0] <= offset < r[1]):
             return NotImplemented
-        if self.disjoint and not launch.check_disjoint(self.disjoint, ptrs):
+        if not self.apart(ptrs) and not launch.check_disjoint(self.disjoint, ptrs):
             return NotImplemented
         outs = []
         if self.allocs:
@@ -93,48 +94,72 @@ def _sig_of(a):
     return key[0] if key else None
 
 
-def _execute(op, arrays, options, offsets, make_kwargs):
+def _execute(op, head, tables, tail, options, offsets, make_kwargs, bound=None, memo=None):
     """The hot path: look the call's signature up, else validate and plan.
 
-    ``arrays`` are the op's array arguments (None where absent); the key is
-    the op, its options and every array's signature.
+    The op's array arguments (None where absent) come in three parts:
+    ``head`` (x; q, k; qkv; dq, dk, dv), ``tables`` (cos, sin, inv_freq,
+    freqs, cos_sin_cache) and ``tail`` (positions, cu_seqlens, outputs).
+    The key is the op, its options and every array's signature. ``bound``
+    (a :class:`RotaryEmbedding`'s signed tables) replaces signing the tables;
+    ``memo`` (dict, key) receives the launch plan of a call whose arrays all
+    have distinct pointers.
     """
     if offsets is None:
         offset = 0
     elif type(offsets) is int:
-        offset, offsets_array = offsets, None
+        offset = offsets
     else:
         offset, offsets_array = _split_offsets(offsets)
-        arrays = arrays + (offsets_array,)
+        tail = tail + (offsets_array,)
     key = [op, options]
     ptrs: list = []
     signers = _SIGNERS
-    for a in arrays:
-        if a is None:
-            key.append(None)
-            ptrs.append(0)
-            continue
-        f = signers.get(type(a))
-        if f is None:
-            f = interop.signer(type(a))
-        if not f(a, key, ptrs):
-            key = None
+    if bound is None:
+        parts = (head, tables, tail)
+    else:
+        parts = (head, tail)
+    for part in parts:
+        for a in part:
+            if a is None:
+                key.append(None)
+                ptrs.append(0)
+                continue
+            f = signers.get(type(a))
+            if f is None:
+                f = interop.signer(type(a))
+            if not f(a, key, ptrs):
+                key = None
+                break
+        if key is None:
             break
+        if bound is not None and part is head:
+            key.append(bound[0])
+            ptrs.extend(bound[1])
+    arrays = head + tables + tail
     if key is not None:
         nonzero = [p for p in ptrs if p]
         if len(set(nonzero)) != len(nonzero):
             # Arrays sharing a pointer (out=x, cos is sin, q is k): a plan of its own.
             key.append(_alias_pattern(ptrs))
+            memo = None
         key = tuple(key)
         try:
             prepared = _plans.get(key)
         except TypeError:  # an unhashable option: validation will say what is wrong
-            prepared = key = None
+            prepared = key = memo = None
         if prepared is not None:
             result = prepared.run(arrays, ptrs, offset)
             if result is not NotImplemented:
+                if memo is not None:
+                    RotaryEmbedding._remember(*memo, prepared)
                 return result
-    return _slow(op, arrays, make_kwargs(), offsets, key)
+    result = _slow(op, arrays, make_kwargs(), offsets, key)
+    if memo is not None and key is not None:
+        prepared = _plans.get(key)
+        if prepared is not None:
+            RotaryEmbedding._remember(*memo, prepared)
+    return result
 
 
 def _alias_pattern(ptrs) -> tuple:
@@ -350,12 +375,14 @@ def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cach
 
     Returns a new array of x's framework, or ``out`` when given, or ``x``
     itself with ``inplace=True``. A position outside a table that the host
-    cannot see (device positions, offsets or cu_seqlens) yields NaN in the
-    rotated channels, never an out-of-bounds read; host-visible positions
-    and cu_seqlens are checked up front.
+    cannot see (device positions, offsets or cu_seqlens), a token that device
+    cu_seqlens leave out, or (cp_size > 1) a device cu_seqlens sequence
+    whose length is not a multiple of 2 * cp_size yields NaN in the rotated
+    channels, never an out-of-bounds read; host-visible positions and
+    cu_seqlens are checked up front.
     """
     return _execute(
-        "rope", (x, cos, sin, inv_freq, freqs, cos_sin_cache, positions, cu_seqlens, out),
+        "rope", (x,), (cos, sin, inv_freq, freqs, cos_sin_cache), (positions, cu_seqlens, out),
         (layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim,
          _key_sections(sections), sections_interleaved),
         offsets,
@@ -394,8 +421,8 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_si
     ``inplace=True``.
     """
     return _execute(
-        "qk", (q, k, cos, sin, inv_freq, freqs, cos_sin_cache, positions, cu_seqlens, out_q,
-               out_k),
+        "qk", (q, k), (cos, sin, inv_freq, freqs, cos_sin_cache),
+        (positions, cu_seqlens, out_q, out_k),
         (layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim,
          _key_sections(sections), sections_interleaved),
         offsets,
@@ -435,7 +462,7 @@ def apply_rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_d
     if any(given) and not all(given):
         raise ValueError("out_q, out_k, out_v: pass all three outputs, or none")
     return _execute(
-        "qkv", (qkv, cos, sin, inv_freq, freqs, cos_sin_cache, positions, cu_seqlens) + outs,
+        "qkv", (qkv,), (cos, sin, inv_freq, freqs, cos_sin_cache), (positions, cu_seqlens) + outs,
         (layout, interleaved, rotary_dim, backward, cp_size, cp_rank, head_dim, num_q_heads,
          num_kv_heads, packing, _key_sections(sections), sections_interleaved),
         offsets,
@@ -462,8 +489,8 @@ def apply_rope_qkv_backward(dq, dk, dv, cos=None, sin=None, *, packing="concat",
     array [.., (hq + 2 hk) * d].
     """
     return _execute(
-        "qkv_backward",
-        (dq, dk, dv, cos, sin, inv_freq, freqs, cos_sin_cache, positions, cu_seqlens, out),
+        "qkv_backward", (dq, dk, dv), (cos, sin, inv_freq, freqs, cos_sin_cache),
+        (positions, cu_seqlens, out),
         (layout, interleaved, rotary_dim, cp_size, cp_rank, head_dim, packing,
          _key_sections(sections), sections_interleaved),
         offsets,
@@ -491,3 +518,165 @@ def _heads(a, layout, head_dim):
     if len(shape) == n_tok + 1 and head_dim:
         return shape[-1] // head_dim
     return None
+
+
+# ------------------------------------------------------------ bound form --
+class RotaryEmbedding:
+    """The angle source and options bound once; calls pass only what changes.
+
+    ``RotaryEmbedding(cos, sin, *, inv_freq, freqs, cos_sin_cache, layout,
+    interleaved, rotary_dim, head_dim, cp_size, cp_rank, sections,
+    sections_interleaved)`` takes the angle and layout arguments of
+    :func:`apply_rope`; its methods take the arrays of one call:
+
+    - ``rope(x, positions=None, offsets=None, *, inplace, out, backward,
+      cu_seqlens)`` (also ``rope(...)`` via calling the object),
+    - ``qk(q, k, positions=None, offsets=None, *, inplace, out_q, out_k,
+      backward, cu_seqlens)``, and ``qk_(q, k, positions)`` for the in-place
+      serving step (vLLM's ``rotary_emb(positions, q, k)`` order differs:
+      positions come last here),
+    - ``qkv(qkv, positions=None, offsets=None, *, num_q_heads, num_kv_heads,
+      packing, out_q, out_k, out_v, backward, cu_seqlens)`` and
+      ``qkv_backward(dq, dk, dv, positions=None, offsets=None, *, packing,
+      out, cu_seqlens)``.
+
+    Each returns exactly what the matching ``apply_rope*`` call returns, and
+    is validated the same way the first time a signature is seen. The tables
+    are signed once here (pointer, shape, strides, dtype), so a cached call
+    reads only the per-call arrays: this is the cheapest way to launch a
+    decode step from Python. The tables are held (not copied); their
+    contents may change between calls, but they must not be resized or
+    re-pointed in place (``resize_``, ``set_``): make a new object instead.
+    """
+
+    __slots__ = ("_tables", "_bound", "_fixed", "_layout", "_head_dim", "_fast", "_qk_options")
+
+    def __init__(self, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cache=None,
+                 layout="bshd", interleaved=False, rotary_dim=None, head_dim=None, cp_size=1,
+                 cp_rank=0, sections=None, sections_interleaved=False):
+        self._tables = (cos, sin, inv_freq, freqs, cos_sin_cache)
+        if all(t is None for t in self._tables):
+            raise ValueError("RotaryEmbedding: give an angle source: cos and sin, "
+                             "cos_sin_cache, inv_freq or freqs")
+        key: list = []
+        ptrs: list = []
+        signed = all(t is None or _sign(t, key, ptrs) for t in self._tables)
+        if signed:  # (the None entries: as _execute writes them)
+            it_key, it_ptr = iter(key), iter(ptrs)
+            key = [None if t is None else next(it_key) for t in self._tables]
+            ptrs = [0 if t is None else next(it_ptr) for t in self._tables]
+        self._bound = (("bound",) + tuple(key), tuple(ptrs)) if signed else None
+        self._fixed = dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
+                           head_dim=head_dim, cp_size=cp_size, cp_rank=cp_rank,
+                           sections=sections, sections_interleaved=sections_interleaved)
+        self._layout, self._head_dim = layout, head_dim
+        # qk_'s own plans, keyed by the q, k, positions signatures alone.
+        self._fast = {} if signed else None
+        self._qk_options = self._options(True, False)
+
+    def _angles(self) -> dict:
+        return dict(zip(("cos", "sin", "inv_freq", "freqs", "cos_sin_cache"), self._tables))
+
+    def _options(self, *front, tail=()):
+        f = self._fixed
+        return (f["layout"], f["interleaved"], f["rotary_dim"], *front, f["cp_size"],
+                f["cp_rank"], f["head_dim"], *tail, _key_sections(f["sections"]),
+                f["sections_interleaved"])
+
+    def rope(self, x, positions=None, offsets=None, *, inplace=False, out=None, backward=False,
+             cu_seqlens=None):
+        """:func:`apply_rope` with the bound angles and options."""
+        return _execute(
+            "rope", (x,), self._tables, (positions, cu_seqlens, out),
+            self._options(inplace, backward), offsets,
+            lambda: dict(x=x, **self._angles(), positions=positions, inplace=inplace, out=out,
+                         backward=backward, cu_seqlens=cu_seqlens, **self._fixed),
+            self._bound)
+
+    __call__ = rope
+
+    def qk(self, q, k, positions=None, offsets=None, *, inplace=False, out_q=None, out_k=None,
+           backward=False, cu_seqlens=None):
+        """:func:`apply_rope_qk` with the bound angles and options."""
+        return _execute(
+            "qk", (q, k), self._tables, (positions, cu_seqlens, out_q, out_k),
+            self._options(inplace, backward), offsets,
+            lambda: dict(x=q, k=k, **self._angles(), positions=positions, inplace=inplace,
+                         out=out_q, out_k=out_k, backward=backward, cu_seqlens=cu_seqlens,
+                         **self._fixed),
+            self._bound)
+
+    def qk_(self, q, k, positions=None):
+        """Rotate q and k in place at ``positions``; returns (q, k).
+
+        The decode step: once a (q, k, positions) signature has been
+        validated, a call reads the three arrays' signatures and pointers,
+        checks that the written arrays overlap nothing, and launches.
+        """
+        fast = self._fast
+        fast_key = None
+        if fast is not None:
+            key: list = []
+            ptrs: list = []
+            sq, sk = _SIGNERS.get(type(q)), _SIGNERS.get(type(k))
+            sp = _SIGNERS.get(type(positions))
+            if (sq is not None and sk is not None and sp is not None and sq(q, key, ptrs)
+                    and sk(k, key, ptrs) and sp(positions, key, ptrs)):
+                fast_key = tuple(key)
+                hit = fast.get(fast_key)
+                pq, pk, pp = ptrs
+                if hit is not None and pq != pk and pq != pp and pk != pp:
+                    # A plan of this object's with nothing to allocate and any
+                    # offset allowed: only the overlap test is left per call.
+                    apart, plan = hit
+                    ptrs = [pq, pk, *self._bound[1], pp, 0, 0, 0]
+                    if apart(ptrs):
+                        plan.launch(ptrs, 0)
+                        return q, k
+        return _execute(
+            "qk", (q, k), self._tables, (positions, None, None, None), self._qk_options, None,
+            lambda: dict(x=q, k=k, **self._angles(), positions=positions, inplace=True,
+                         **self._fixed),
+            self._bound, None if fast_key is None or len(fast) >= 256 else (fast, fast_key))
+
+    @staticmethod
+    def _remember(fast, key, prepared):
+        """qk_'s cache entry (overlap test, plan) for a plan it can launch directly."""
+        r = prepared.offset_range
+        if not prepared.allocs and r[0] <= 0 < r[1]:
+            fast[key] = (prepared.apart, prepared.plan)
+
+    def qkv(self, qkv, positions=None, offsets=None, *, num_q_heads, num_kv_heads,
+            packing="concat", out_q=None, out_k=None, out_v=None, backward=False,
+            cu_seqlens=None):
+        """:func:`apply_rope_qkv` with the bound angles and options."""
+        outs = (out_q, out_k, out_v)
+        given = [o is not None for o in outs]
+        if any(given) and not all(given):
+            raise ValueError("out_q, out_k, out_v: pass all three outputs, or none")
+        f = self._fixed
+        return _execute(
+            "qkv", (qkv,), self._tables, (positions, cu_seqlens) + outs,
+            (f["layout"], f["interleaved"], f["rotary_dim"], backward, f["cp_size"],
+             f["cp_rank"], f["head_dim"], num_q_heads, num_kv_heads, packing,
+             _key_sections(f["sections"]), f["sections_interleaved"]), offsets,
+            lambda: dict(qkv=qkv, **self._angles(), positions=positions, backward=backward,
+                         out=outs if all(given) else None, cu_seqlens=cu_seqlens,
+                         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, packing=packing,
+                         **self._fixed),
+            self._bound)
+
+    def qkv_backward(self, dq, dk, dv, positions=None, offsets=None, *, packing="concat",
+                     out=None, cu_seqlens=None):
+        """:func:`apply_rope_qkv_backward` with the bound angles and options."""
+        f = self._fixed
+        layout, head_dim = self._layout, self._head_dim
+        return _execute(
+            "qkv_backward", (dq, dk, dv), self._tables, (positions, cu_seqlens, out),
+            self._options(tail=(packing,)), offsets,
+            lambda: dict(qkv_grads=(dq, dk, dv), **self._angles(), positions=positions,
+                         backward=True, out=out, cu_seqlens=cu_seqlens,
+                         num_q_heads=_heads(dq, layout, head_dim),
+                         num_kv_heads=_heads(dk, layout, head_dim), packing=packing,
+                         **f),
+            self._bound)

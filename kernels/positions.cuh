@@ -114,10 +114,13 @@ __device__ __forceinline__ bool token_position(const Params& p, i64 token, i64 o
   } else {
     if (seq < 0) return false;
     const i64 begin = static_cast<i64>(p.cu_seqlens[seq]);
-    pos = token - begin / p.cp_size;
+    pos = token - (p.cp_size > 1 ? begin / p.cp_size : begin);
     if (p.cp_size > 1) {
-      const i64 chunk = (static_cast<i64>(p.cu_seqlens[seq + 1]) - begin) / (2 * p.cp_size);
-      pos = cp_global_index(pos, chunk, p.cp_size, p.cp_rank);
+      // A sequence that does not split into 2 * cp_size equal chunks (device
+      // cu_seqlens are not checked on the host) has no positions: NaN.
+      const i64 len = static_cast<i64>(p.cu_seqlens[seq + 1]) - begin;
+      if (len % (2 * p.cp_size) != 0 || begin % (2 * p.cp_size) != 0) return false;
+      pos = cp_global_index(pos, len / (2 * p.cp_size), p.cp_size, p.cp_rank);
     }
     off_idx = seq;
   }

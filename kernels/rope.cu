@@ -83,12 +83,15 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS_PER_SM) rope_kernel(co
   }
   // This block: head group `group`, token block `tb` of its slab. Lanes
   // beyond the slab's head_lanes take further tokens.
-  const i64 b = static_cast<i64>(blockIdx.x) - sl.block_begin;
-  const i64 group = b / sl.token_blocks;
-  const i64 tb = b - group * sl.token_blocks;
-  const int lanes = static_cast<int>(sl.head_lanes);
-  const int mult = blockDim.y / lanes;
-  const int head_lane = threadIdx.y % lanes;
+  // (32-bit index math: block and lane counts are far below 2^31.)
+  const unsigned b = blockIdx.x - static_cast<unsigned>(sl.block_begin);
+  const unsigned token_blocks = static_cast<unsigned>(sl.token_blocks);
+  const unsigned group_u = b / token_blocks;
+  const i64 group = group_u;
+  const i64 tb = b - group_u * token_blocks;
+  const unsigned lanes = static_cast<unsigned>(sl.head_lanes);  // a power of two
+  const unsigned mult = blockDim.y / lanes;
+  const int head_lane = threadIdx.y & (lanes - 1);
   const int token_lane = threadIdx.z * mult + threadIdx.y / lanes;
   const int block_tokens = blockDim.z * mult;
 
@@ -104,7 +107,11 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS_PER_SM) rope_kernel(co
     seq = seq_of_lane[token_lane];
   }
   if (token >= n_tokens) return;
-  const i64 outer = token / p.n_inner;
+  i64 outer;
+  if (n_tokens <= 0xffffffffll)  // block-uniform; 32-bit division is several times cheaper
+    outer = static_cast<unsigned>(token) / static_cast<unsigned>(p.n_inner);
+  else
+    outer = token / p.n_inner;
   const i64 inner = token - outer * p.n_inner;
 
   const int item = threadIdx.x;
@@ -120,15 +127,17 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS_PER_SM) rope_kernel(co
   if (item < ROT_ITEMS) {
     const int f0 = item * PAIRS;
     float c[PAIRS], s[PAIRS];
-    if constexpr (POS_MODE == AXES) {
-      i64 pos[3];
-      token_axis_positions(p, outer, inner, pos);
-      axis_angles<SOURCE, AngleT, PAIRS>(p, pos, f0, c, s);
-    } else {
-      i64 pos = 0;
-      const bool valid = token_position<POS_MODE>(p, token, outer, inner, seq, pos);
-      angles<SOURCE, AngleT, PAIRS, TABLE_STRIDED>(p, pos, valid, f0, c, s);
-    }
+    auto find_angles = [&]() {
+      if constexpr (POS_MODE == AXES) {
+        i64 pos[3];
+        token_axis_positions(p, outer, inner, pos);
+        axis_angles<SOURCE, AngleT, PAIRS>(p, pos, f0, c, s);
+      } else {
+        i64 pos = 0;
+        const bool valid = token_position<POS_MODE>(p, token, outer, inner, seq, pos);
+        angles<SOURCE, AngleT, PAIRS, TABLE_STRIDED>(p, pos, valid, f0, c, s);
+      }
+    };
 
     // This item's packets inside a head: channel STEP * f0, and for NeoX
     // also channel HALF + f0.
@@ -136,7 +145,10 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS_PER_SM) rope_kernel(co
     const i64 ch[2] = {STEP * f0, f0 + HALF};
     const bool rotate = sl.rotate != 0;
 
-    // UNROLL heads per pass: all loads first, then rotate and store.
+    // UNROLL heads per pass: all loads first, then rotate and store. The
+    // angles are found after the first pass's loads are issued, so that
+    // the position and table reads wait alongside them, not before them.
+    bool have_angles = false;
     for (i64 h0 = h_begin + head_lane; h0 < h_end; h0 += h_step * UNROLL) {
       i64 oo[UNROLL];
       Packet<T, WIDTH> raw[UNROLL][PACKETS];
@@ -150,6 +162,10 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS_PER_SM) rope_kernel(co
           for (int q = 0; q < PACKETS; ++q)
             raw[u][q] = load_raw<T, WIDTH, STRIDED>(x + xo + ch[q] * xd, xd);
         }
+      }
+      if (!have_angles && rotate) {
+        find_angles();
+        have_angles = true;
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {

@@ -4,8 +4,9 @@
 # Runs from the work tree against the preinstalled packages (no install of
 # cupy-rope itself). Wheels carried in .whl/ (e.g. Liger, a benchmark peer)
 # are installed to /tmp/site first. Environment knobs: GPU_TEST_WORKERS,
-# PYTEST_ARGS, BENCH_ARGS, TEST_TIMEOUT, BENCH_TIMEOUT (seconds), SKIP_TESTS,
-# SKIP_BENCH (run one half per call when both do not fit one call's limit).
+# PYTEST_ARGS, BENCH_ARGS, TEST_TIMEOUT, BENCH_TIMEOUT, SANITIZE_TIMEOUT
+# (seconds), SANITIZE_TOOLS, SKIP_TESTS, SKIP_SANITIZE, SKIP_BENCH (run one
+# part per call when all do not fit one call's limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-logs}
@@ -31,6 +32,19 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     -p no:benchmark -rfEs ${PYTEST_ARGS:-} > "$OUT/tests.log" 2>&1
   status=$?
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -30
+fi
+if [ -z "${SKIP_SANITIZE:-}" ]; then
+  # Every kernel path (scripts/sanitize.py, checked against float64 as it
+  # runs) under compute-sanitizer; a tool's summary must say 0 errors.
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
+    timeout "${SANITIZE_TIMEOUT:-300}" "$sanitizer" --tool "$tool" --error-exitcode 1 \
+      $PY scripts/sanitize.py > "$OUT/sanitize-$tool.log" 2>&1
+    rc=$?
+    [ $rc = 0 ] || status=1
+    echo "compute-sanitizer $tool: exit $rc"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize.py:" "$OUT/sanitize-$tool.log" | tail -3
+  done
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   timeout "${BENCH_TIMEOUT:-240}" $PY -m cupy_rope.bench --json "$OUT/bench.json" \

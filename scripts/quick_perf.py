@@ -43,14 +43,48 @@ def bf16():
     return cupy.dtype(ml_dtypes.bfloat16)
 
 
-def variant(unroll, min_blocks, lanes=32, varlen_tokens=16):
+def variant(unroll, min_blocks, lanes=32, varlen_tokens=16, threads=256, defines=()):
     from cupy_rope import api, launch, specialize
     launch.UNROLL = unroll
     launch.MAX_HEAD_LANES = lanes
     launch.VARLEN_MIN_TOKENS = varlen_tokens
-    specialize.NVRTC_OPTIONS = ("-std=c++17", f"-DROPE_MIN_BLOCKS_PER_SM={min_blocks}")
+    launch.THREADS_PER_BLOCK = threads
+    specialize.NVRTC_OPTIONS = ("-std=c++17", f"-DROPE_MIN_BLOCKS_PER_SM={min_blocks}",
+                                *[f"-D{d}" for d in defines])
     specialize._modules.clear()
     api._plans.clear()
+
+
+def partial_floor(cos, sin, rnd, d=128):
+    # In place, rotary 0.25 of d=128 bf16: 64 of every 256 bytes per head are
+    # read and written. The floor of that access pattern: a kernel that
+    # loads and stores those 16-byte vectors unchanged, vs the full rotation.
+    x = rnd((1, 4096, 128, d))
+    t_full = time_us(lambda a: cupy_rope.apply_rope(a, cos, sin, inplace=True), [(x,)])
+    t_part = time_us(lambda a: cupy_rope.apply_rope(a, cos[:, :16], sin[:, :16],
+                                                    rotary_dim=32, inplace=True), [(x,)])
+    touch = cupy.RawKernel(r"""
+    extern "C" __global__ void touch(uint4* x, long long n, int per_head, int head_vecs) {
+      long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+      if (i >= n) return;
+      long long a = (i / per_head) * head_vecs + i % per_head;
+      uint4 v = x[a];
+      v.x ^= 0x80008000u;  // flips two signs: a real read-modify-write
+      x[a] = v;
+    }""", "touch")
+
+    def run_touch(a, per_head=4):
+        n = a.size // 128 * per_head
+        touch(((n + 255) // 256,), (256,), (a, np.int64(n), np.int32(per_head), np.int32(16)))
+    t_touch = time_us(run_touch, [(x,)])
+    for per_head in (2, 8, 16):
+        t = time_us(lambda a: run_touch(a, per_head), [(x,)])
+        print(f"touch kernel, {per_head * 16} of 256 bytes per head in place: {t:.1f} us")
+    t_copy = copy_us(x.nbytes // 4)
+    print(f"partial 0.25 in place: {t_part:.1f} us = {t_part / t_full:.3f} of full "
+          f"({t_full:.1f} us); touch-only kernel on the same bytes {t_touch:.1f} us = "
+          f"{t_touch / t_full:.3f} of full; dense copy of as many bytes {t_copy:.1f} us")
+    del x
 
 
 def main(host=True):
@@ -62,6 +96,11 @@ def main(host=True):
 
     def rnd(shape):
         return cupy.random.standard_normal(shape, dtype=cupy.float32).astype(bf16())
+
+    if "--partial-floor" in sys.argv:
+        partial_floor(cos, sin, rnd)
+        if "--only" in sys.argv:
+            return
 
     # single tensor, the old reference point (0.98 of copy before the q/k rewrite)
     sets = [(rnd((1, 4096, 128, d)), rnd((1, 4096, 128, d))) for _ in range(2)]
@@ -87,6 +126,18 @@ def main(host=True):
                                                                backward=True), sets2)
     rows.append(("prefill qk bwd out=", t, t_copy / t))
     del sets, sets2, outs
+    # diffusion q24/k24 b2 s4096, d80 and d96, out of place
+    for hd in (80, 96):
+        sets = [(rnd((2, 4096, 24, hd)), rnd((2, 4096, 24, hd))) for _ in range(2)]
+        outs = [(cupy.empty_like(q), cupy.empty_like(k)) for q, k in sets]
+        sets2 = [s + o for s, o in zip(sets, outs)]
+        t_copy = copy_us(sum(a.nbytes for a in sets[0]))
+        cs, sn = cos[:, :hd // 2], sin[:, :hd // 2]
+        for bwd in (False, True):
+            t = time_us(lambda q, k, oq, ok: cupy_rope.apply_rope_qk(
+                q, k, cs, sn, out_q=oq, out_k=ok, backward=bwd), sets2)
+            rows.append((f"diffusion d{hd} bwd={bwd}", t, t_copy / t))
+        del sets, sets2, outs
     # thd T=65536 h32 across n_seqs
     T = 65536
     x = [rnd((T, 32, d)) for _ in range(2)]
@@ -154,7 +205,24 @@ def main(host=True):
 
 
 if __name__ == "__main__":
-    if "--sweep" in sys.argv:
+    if "--variants" in sys.argv:
+        # Launch-policy variants: NAME:ATTR=VALUE,ATTR=VALUE (cupy_rope.launch attributes),
+        # e.g. base: up:LANES_ROUND_UP=1 small:SMALL_BLOCK_THREADS=128
+        from cupy_rope import launch
+        defaults = {a: getattr(launch, a) for a in ("LANES_ROUND_UP", "SMALL_BLOCK_THREADS",
+                                                    "MAX_HEADS_PER_LANE", "THREADS_PER_BLOCK",
+                                                    "MAX_HEAD_LANES")}
+        for spec in sys.argv[sys.argv.index("--variants") + 1:]:
+            name, _, rest = spec.partition(":")
+            variant(4, 2, lanes=defaults["MAX_HEAD_LANES"])
+            for a, v in defaults.items():
+                setattr(launch, a, v)
+            for kv in filter(None, rest.split(",")):
+                a, _, v = kv.partition("=")
+                setattr(launch, a, int(v))
+            print(f"== {name}: {rest or 'defaults'}", flush=True)
+            main(host=False)
+    elif "--sweep" in sys.argv:
         for unroll, mb, lanes, vt in ((4, 2, 32, 1), (4, 2, 32, 16), (4, 2, 8, 16),
                                       (4, 2, 2, 32), (2, 4, 8, 16), (2, 4, 2, 32)):
             variant(unroll, mb, lanes, vt)

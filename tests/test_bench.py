@@ -237,6 +237,17 @@ def test_acceptance_failures():
     assert not any("torch" in f for f in by["5"]["failures"])
 
 
+def test_acceptance_decode_uses_the_bound_form_when_measured():
+    res = _all_pass_result()
+    res["host"] = dict(GOOD_HOST, torch_us_per_call=12.0, torch_bound_us_per_call=7.5,
+                       cupy_us_per_call=11.0, cupy_bound_us_per_call=8.5)
+    by = {it["item"]: it for it in bench.acceptance(res)}
+    assert by["5"]["status"] == "FAIL"
+    assert by["5"]["failures"] == ["cupy: 8.50 us"]
+    assert "torch 7.50 us bound (12.00 us apply_rope_qk)" in by["5"]["detail"]
+    assert "RotaryEmbedding.qk_ 7.50 us" in bench.format_host(res["host"])
+
+
 def test_acceptance_slower_than_peer_and_errors():
     names = ["sbhd-4096x1x128x128", "llama3-8b-prefill-qk"]
     rows = []

@@ -146,6 +146,22 @@ def test_thd_device_cu_seqlens_past_the_tokens_give_nan(rng):
     assert not np.isnan(y[:7]).any() and np.isnan(y[7:]).all()
 
 
+def test_thd_device_cu_seqlens_not_splitting_for_cp_give_nan(rng):
+    """cp_size=2 with device cu_seqlens whose first length (6) is not a multiple
+    of 2 * cp_size: that sequence's tokens (and the next ones, now misaligned)
+    get NaN, never wrong positions; a valid set gives numbers."""
+    x = rng.standard_normal((7, 2, 16)).astype(np.float32)
+    inv = to_device(np.full(8, 0.1, np.float32))
+    bad = to_device(np.array([0, 6, 14], np.int32))
+    y = to_host(cupy_rope.apply_rope(to_device(x), inv_freq=inv, layout="thd", cu_seqlens=bad,
+                                     cp_size=2, cp_rank=1))
+    assert np.isnan(y[..., :16]).all()
+    good = to_device(np.array([0, 8, 12], np.int32))
+    y = to_host(cupy_rope.apply_rope(to_device(x[:6]), inv_freq=inv, layout="thd",
+                                     cu_seqlens=good, cp_size=2, cp_rank=1))
+    assert not np.isnan(y).any()
+
+
 # --------------------------------------------------------- context parallel --
 def cp_local_index(s_full, cp_size, rank):
     """Indices of the full sequence that rank holds, in local order."""

@@ -1,0 +1,315 @@
+"""Every kernel path on small inputs, for compute-sanitizer (issue 7).
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/sanitize.py
+
+Each case runs one public function on CuPy arrays and compares the result
+with the library's float64 NumPy path on the same inputs, so a run is both a
+sanitizer target and a correctness check. The cases cover every position
+mode (implied, explicit [s] / [b, s], varlen with empty sequences, per-axis
+M-RoPE, context parallel), every angle source (fp32 tables, tables in x's
+dtype, cos|sin cache, inv_freq, angle table), both pair styles, partial
+rotary in and out of place, strided / unaligned / transposed views, q+k with
+GQA, decode head groups, fused QKV forward and backward, positions outside
+the table (NaN, never an out-of-bounds read) and empty inputs.
+scripts/gpu_suite.sh runs it under memcheck, racecheck and initcheck.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cupy  # noqa: E402
+import ml_dtypes  # noqa: E402
+
+import cupy_rope  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+rng = np.random.default_rng(20261122)
+
+
+def normal(shape, dtype="float32"):
+    return rng.standard_normal(shape).astype(DTYPES[dtype])
+
+
+def inv_freq(r):
+    return (1.0 / 10000 ** (np.arange(0, r, 2) / r)).astype(np.float32)
+
+
+def tables(r, rows, dtype="float32"):
+    theta = np.arange(rows)[:, None] * inv_freq(r).astype(np.float64)
+    return np.cos(theta).astype(DTYPES[dtype]), np.sin(theta).astype(DTYPES[dtype])
+
+
+def up(v):
+    """float64 host copy (recursively), for the reference call."""
+    if isinstance(v, np.ndarray) and (v.dtype.kind == "f" or v.dtype == BF16):
+        return v.astype(np.float64)
+    if isinstance(v, tuple):
+        return tuple(up(a) for a in v)
+    return v
+
+
+def dev(v):
+    if isinstance(v, np.ndarray):
+        return cupy.asarray(v)
+    if isinstance(v, tuple):
+        return tuple(dev(a) for a in v)
+    return v
+
+
+def host(v):
+    if isinstance(v, tuple):
+        return tuple(host(a) for a in v)
+    return cupy.asnumpy(v)
+
+
+def compare(got, want, dtype, name, nan_ok=False):
+    if isinstance(want, tuple):
+        for g, w in zip(got, want):
+            compare(g, w, dtype, name, nan_ok)
+        return
+    g, w = np.asarray(got).astype(np.float64), np.asarray(want).astype(np.float64)
+    assert g.shape == w.shape, (name, g.shape, w.shape)
+    if not nan_ok:
+        assert not np.isnan(g).any(), f"{name}: NaN (element not written)"
+    finite = ~np.isnan(w)
+    assert np.array_equal(np.isnan(g), ~finite), f"{name}: NaN pattern differs"
+    if finite.any():
+        scale = max(np.abs(w[finite]).max(), 1e-30)
+        err = np.abs(g[finite] - w[finite]).max() / scale
+        assert err <= TOL[dtype], f"{name}: max error {err:.3g}"
+
+
+CASES = []
+
+
+def case(fn):
+    CASES.append(fn)
+    return fn
+
+
+def run(name, func, dtype, arrays, kwargs=None, inplace_arrays=(), nan_ok=False, views=None):
+    """func(*arrays, **kwargs) on the GPU vs on float64 host copies.
+
+    ``views``: optional function turning the device arrays into the views
+    passed (strided, unaligned); the host side gets the same values.
+    """
+    kwargs = kwargs or {}
+    d_arrays = [dev(a) for a in arrays]
+    if views is not None:
+        d_arrays = views(d_arrays)
+        arrays = [host(a) if isinstance(a, cupy.ndarray) else a for a in d_arrays]
+    d_kwargs = {k: dev(v) for k, v in kwargs.items()}
+    got = func(*d_arrays, **d_kwargs)
+    if inplace_arrays:
+        got = tuple(d_arrays[i] for i in inplace_arrays)
+        got = got[0] if len(got) == 1 else got
+    ref_kwargs = {k: up(v) for k, v in kwargs.items() if k != "inplace"}
+    want = func(*[up(a) for a in arrays], **ref_kwargs)
+    compare(host(got), want, dtype, name, nan_ok)
+
+
+@case
+def layouts_sources_styles():
+    n = 0
+    for dtype in DTYPES:
+        for layout, shape in (("bshd", (2, 19, 3, 64)), ("sbhd", (19, 2, 3, 64)),
+                              ("thd", (23, 3, 64))):
+            for interleaved in (False, True):
+                for r in (64, 32):
+                    cos, sin = tables(r, 40)
+                    cos_t, sin_t = tables(r, 40, dtype)
+                    sources = [
+                        {"cos": cos, "sin": sin},
+                        {"cos": cos_t, "sin": sin_t},
+                        {"cos_sin_cache": np.concatenate([cos, sin], 1)},
+                        {"inv_freq": inv_freq(r)},
+                        {"freqs": np.arange(40)[:, None].astype(np.float32) * inv_freq(r)},
+                    ]
+                    for src in sources:
+                        for inplace in (False, True):
+                            kw = dict(src, layout=layout, interleaved=interleaved,
+                                      rotary_dim=r, inplace=inplace)
+                            run(f"{layout} {dtype} {sorted(src)} r={r}", cupy_rope.apply_rope,
+                                dtype, [normal(shape, dtype)], kw,
+                                inplace_arrays=(0,) if inplace else ())
+                            n += 1
+    return n
+
+
+@case
+def positions_and_offsets():
+    n = 0
+    cos, sin = tables(64, 300)
+    for dtype in ("float32", "bfloat16"):
+        x = normal((3, 17, 4, 64), dtype)
+        for kw in ({"positions": rng.integers(0, 280, 17).astype(np.int32)},
+                   {"positions": rng.integers(0, 280, (3, 17)).astype(np.int64)},
+                   {"offsets": 5},
+                   {"offsets": rng.integers(0, 200, 3).astype(np.int32)},
+                   {"positions": rng.integers(0, 200, (3, 17)).astype(np.int32),
+                    "offsets": rng.integers(0, 50, 3).astype(np.int64)}):
+            for backward in (False, True):
+                run(f"positions {dtype} {sorted(kw)}", cupy_rope.apply_rope, dtype, [x],
+                    dict(kw, cos=cos, sin=sin, backward=backward))
+                n += 1
+    return n
+
+
+@case
+def varlen_and_context_parallel():
+    n = 0
+    cos, sin = tables(64, 400)
+    for dtype in ("float16", "bfloat16"):
+        for lengths in ([0, 5, 0, 17, 1, 0, 40], [64], [0], [3] * 50):
+            cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            t = int(cu[-1])
+            x = normal((t, 5, 64), dtype)
+            offs = rng.integers(0, 100, len(lengths)).astype(np.int32)
+            for kw in ({}, {"offsets": offs}, {"inv_freq": inv_freq(64)}):
+                src = {} if "inv_freq" in kw else {"cos": cos, "sin": sin}
+                run(f"varlen {dtype} {lengths[:4]} {sorted(kw)}", cupy_rope.apply_rope, dtype,
+                    [x], dict(kw, **src, layout="thd", cu_seqlens=cu))
+                n += 1
+        for cp in (2, 4):
+            for rank in range(cp):
+                lengths = [8 * cp, 0, 4 * cp, 2 * cp]
+                cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+                x = normal((int(cu[-1]) // cp, 3, 64), dtype)
+                run(f"cp thd {cp}/{rank}", cupy_rope.apply_rope, dtype, [x],
+                    dict(cos=cos, sin=sin, layout="thd", cu_seqlens=cu, cp_size=cp,
+                         cp_rank=rank))
+                for layout, shape in (("bshd", (2, 4 * cp, 3, 64)), ("sbhd", (4 * cp, 2, 3, 64))):
+                    run(f"cp {layout} {cp}/{rank}", cupy_rope.apply_rope, dtype,
+                        [normal(shape, dtype)], dict(cos=cos, sin=sin, layout=layout,
+                                                     cp_size=cp, cp_rank=rank))
+                    n += 1
+                n += 1
+    return n
+
+
+@case
+def axes():
+    n = 0
+    for interleaved_sections, sections in ((False, (16, 8, 8)), (True, (8, 12, 12)),
+                                           (False, (20, 12))):
+        r = 2 * sum(sections)
+        for layout, shape, pshape in (("bshd", (2, 11, 3, 64), (len(sections), 2, 11)),
+                                      ("thd", (13, 3, 64), (len(sections), 13))):
+            pos = rng.integers(0, 90, pshape).astype(np.int32)
+            cos, sin = tables(r, 100)
+            for src in ({"inv_freq": inv_freq(r)}, {"cos": cos, "sin": sin}):
+                run(f"axes {sections} {layout}", cupy_rope.apply_rope, "bfloat16",
+                    [normal(shape, "bfloat16")],
+                    dict(src, positions=pos, layout=layout, sections=sections,
+                         sections_interleaved=interleaved_sections))
+                n += 1
+    return n
+
+
+@case
+def strided_and_unaligned_views():
+    n = 0
+    cos, sin = tables(48, 30)
+
+    def stride2(arrs):
+        big = cupy.empty(arrs[0].shape[:-1] + (2 * arrs[0].shape[-1],), arrs[0].dtype)
+        big[..., ::2] = arrs[0]
+        return [big[..., ::2]]
+
+    def unaligned(arrs):
+        flat = cupy.empty(arrs[0].size + 1, arrs[0].dtype)
+        v = flat[1:].reshape(arrs[0].shape)
+        v[...] = arrs[0]
+        return [v]
+
+    def transposed(arrs):  # [b, h, s, d] memory seen as [b, s, h, d]
+        return [cupy.ascontiguousarray(arrs[0].transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)]
+
+    for dtype in DTYPES:
+        for views in (stride2, unaligned, transposed):
+            for interleaved in (False, True):
+                for inplace in (False, True):
+                    run(f"{views.__name__} {dtype}", cupy_rope.apply_rope, dtype,
+                        [normal((2, 9, 5, 64), dtype)],
+                        dict(cos=cos, sin=sin, interleaved=interleaved, inplace=inplace),
+                        inplace_arrays=(0,) if inplace else (), views=views)
+                    n += 1
+        # odd head_dim and strided tables
+        run(f"odd sizes {dtype}", cupy_rope.apply_rope, dtype, [normal((2, 7, 3, 18), dtype)],
+            dict(cos=tables(10, 10)[0], sin=tables(10, 10)[1]))
+        n += 1
+    return n
+
+
+@case
+def qk_decode_and_qkv():
+    n = 0
+    cache = np.concatenate(tables(128, 5000), 1)
+    for dtype in ("float16", "bfloat16", "float32"):
+        for hq, hk in ((32, 8), (32, 1), (28, 4), (24, 24)):
+            for tokens in (1, 16, 64, 300):
+                pos = rng.integers(0, 5000, tokens).astype(np.int64)
+                for inplace in (False, True):
+                    run(f"qk thd {hq}/{hk} t{tokens}", cupy_rope.apply_rope_qk, dtype,
+                        [normal((tokens, hq, 128), dtype), normal((tokens, hk, 128), dtype)],
+                        dict(cos_sin_cache=cache, positions=pos, layout="thd",
+                             inplace=inplace), inplace_arrays=(0, 1) if inplace else ())
+                    n += 1
+            # flattened [t, h * d] views
+            run(f"qk flat {hq}/{hk}", cupy_rope.apply_rope_qk, dtype,
+                [normal((7, hq * 128), dtype), normal((7, hk * 128), dtype)],
+                dict(cos_sin_cache=cache, positions=rng.integers(0, 5000, 7), layout="thd",
+                     head_dim=128))
+            n += 1
+        for packing in ("concat", "grouped"):
+            hq, hk, d = 8, 2, 64
+            cos, sin = tables(d, 50)
+            qkv = normal((2, 13, (hq + 2 * hk) * d), dtype)
+            run(f"qkv {packing}", cupy_rope.apply_rope_qkv, dtype, [qkv],
+                dict(cos=cos, sin=sin, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
+                     packing=packing))
+            grads = [normal((2, 13, h, d), dtype) for h in (hq, hk, hk)]
+            run(f"qkv backward {packing}", cupy_rope.apply_rope_qkv_backward, dtype, grads,
+                dict(cos=cos, sin=sin, packing=packing))
+            n += 2
+    return n
+
+
+@case
+def outside_the_table_and_empty():
+    cos, sin = tables(32, 8)
+    x = normal((2, 4, 2, 32))
+    pos = np.array([[0, 1, 7, 8], [-1, 3, 1000000, 2]], np.int32)
+    got = host(cupy_rope.apply_rope(dev(x), dev(cos), dev(sin), positions=dev(pos)))
+    bad = (pos < 0) | (pos >= 8)
+    assert np.isnan(got[bad][..., :16]).all() and not np.isnan(got[~bad]).any()
+    cu = np.array([0, 3, 5], np.int32)  # device cu_seqlens: token 5 is in no sequence
+    got = host(cupy_rope.apply_rope(dev(normal((6, 2, 32))), dev(cos), dev(sin), layout="thd",
+                                    cu_seqlens=dev(cu)))
+    assert np.isnan(got[5:, :, :16]).all() and not np.isnan(got[:5]).any()
+    for shape in ((0, 4, 2, 32), (2, 0, 2, 32), (2, 4, 0, 32)):
+        cupy_rope.apply_rope(cupy.zeros(shape, np.float32), dev(cos), dev(sin))
+    return 5
+
+
+def main() -> int:
+    total = 0
+    for fn in CASES:
+        n = fn()
+        print(f"{fn.__name__}: {n} calls OK", flush=True)
+        total += n
+    cupy.cuda.runtime.deviceSynchronize()
+    print(f"sanitize.py: {total} calls, all match the float64 reference")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
