@@ -35,8 +35,9 @@ __device__ __forceinline__ void head_offsets(const Slab& sl, i64 j, i64& xo, i64
   if (sl.heads_per_group >= sl.n_heads) {
     xo = j * sl.x.stride_head;
     oo = j * sl.out.stride_head;
-  } else {  // packed QKV groups
-    const i64 g = j / sl.heads_per_group, jj = j - g * sl.heads_per_group;
+  } else {  // head groups: packed QKV, or batch entries folded into heads
+    const i64 g = static_cast<unsigned>(j) / static_cast<unsigned>(sl.heads_per_group);
+    const i64 jj = j - g * sl.heads_per_group;
     xo = g * sl.x.stride_group + jj * sl.x.stride_head;
     oo = g * sl.out.stride_group + jj * sl.out.stride_head;
   }

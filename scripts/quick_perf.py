@@ -107,6 +107,11 @@ def main(host=True):
     t_copy = copy_us(sets[0][0].nbytes)
     t = time_us(lambda x, o: cupy_rope.apply_rope(x, cos, sin, out=o), sets)
     rows.append(("bshd [1,4096,128,128] out=", t, t_copy / t))
+    for shape, layout in (((4, 4096, 32, d), "bshd"), ((512, 32, 24, d), "sbhd")):
+        sets = [(rnd(shape), rnd(shape)) for _ in range(2)]
+        t_copy = copy_us(sets[0][0].nbytes)
+        t = time_us(lambda x, o: cupy_rope.apply_rope(x, cos, sin, out=o, layout=layout), sets)
+        rows.append((f"{layout} {list(shape)} out=", t, t_copy / t))
     sets = [(cupy.random.standard_normal((128, 8192, 1, d), dtype=cupy.float32),) * 2
             for _ in range(2)]
     sets = [(a, cupy.empty_like(a)) for a, _ in sets]
@@ -211,7 +216,7 @@ if __name__ == "__main__":
         from cupy_rope import launch
         defaults = {a: getattr(launch, a) for a in ("LANES_ROUND_UP", "SMALL_BLOCK_THREADS",
                                                     "MAX_HEADS_PER_LANE", "THREADS_PER_BLOCK",
-                                                    "MAX_HEAD_LANES")}
+                                                    "MAX_HEAD_LANES", "FOLD_BATCH")}
         for spec in sys.argv[sys.argv.index("--variants") + 1:]:
             name, _, rest = spec.partition(":")
             variant(4, 2, lanes=defaults["MAX_HEAD_LANES"])

@@ -164,6 +164,27 @@ def positions_and_offsets():
 
 
 @case
+def few_heads_batch_folded():
+    """Fewer than 4 heads: the batch becomes head groups (bshd) or merged heads (sbhd)."""
+    n = 0
+    cos, sin = tables(64, 70)
+    for dtype in ("float32", "bfloat16"):
+        for heads in (1, 3):
+            for layout, shape in (("bshd", (4, 22, heads, 64)), ("sbhd", (22, 4, heads, 64))):
+                for kw in ({}, {"positions": rng.integers(0, 60, 22).astype(np.int32)},
+                           {"cp_size": 3, "cp_rank": 2, "rotary_dim": 32}):
+                    for inplace in (False, True):
+                        run(f"folded {layout} h{heads} {sorted(kw)}", cupy_rope.apply_rope,
+                            dtype, [normal(shape, dtype)],
+                            dict(kw, cos=cos[:, :16] if "rotary_dim" in kw else cos,
+                                 sin=sin[:, :16] if "rotary_dim" in kw else sin,
+                                 layout=layout, inplace=inplace),
+                            inplace_arrays=(0,) if inplace else ())
+                        n += 1
+    return n
+
+
+@case
 def varlen_and_context_parallel():
     n = 0
     cos, sin = tables(64, 400)

@@ -67,7 +67,8 @@ def run_and_check(x_host, x_dev, dtype, layout, rotary_dim, interleaved, kw_host
 
         work = cupy.empty_like(x_dev)  # keeps the strides of a permuted view
         work[...] = x_dev
-        assert work.strides == x_dev.strides
+        assert all(a == b for a, b, n in zip(work.strides, x_dev.strides, x_dev.shape)
+                   if n > 1)  # (the stride of a length-1 axis is arbitrary)
         ptr = work.data.ptr
         result = cupy_rope.apply_rope(work, **kw_dev, **common, inplace=True)
         assert result is work and work.data.ptr == ptr
@@ -273,3 +274,43 @@ def test_tiny_head_dims(rng, head_dim, heads, interleaved):
                          out=out)
     assert_close(to_host(out), oracle(x, inv_freq=inv_freq, interleaved=interleaved),
                  "bfloat16")
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd_view"])
+@pytest.mark.parametrize("positions", ["default", "positions_s+int", "cp", "positions_b1s"])
+def test_few_heads_batch_folded_into_heads(rng, heads, layout, positions):
+    """Fewer than UNROLL heads and a batch: the launch takes the batch as more
+    heads (launch.fold_batch; merged for sbhd, head groups for bshd and
+    views). Every mode against the float64 oracle, tails bit-exact."""
+    from cupy_rope import launch, validate
+
+    b, s, d, r = 5, 24, 64, 48
+    rows = 80
+    src = angle_sources(rng, "bfloat16", r, rows)["table_f32"]
+    kw = {"positions_s+int": {"positions": rng.integers(0, rows - 7, s).astype(np.int32),
+                              "offsets": 7},
+          "positions_b1s": {"positions": rng.integers(0, rows, s).astype(np.int64)},
+          "cp": {"cp_size": 2, "cp_rank": 1}, "default": {}}[positions]
+    call_layout = "sbhd" if layout == "sbhd" else "bshd"
+    x = rng.standard_normal((s, b, heads, d) if layout == "sbhd" else (b, s, heads, d))
+    x = x.astype(np_dtype("bfloat16"))
+    x_dev = to_device(x)
+    if layout == "bhsd_view":
+        x_dev = to_device(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+    kw_dev = dev({**src, **kw})
+    if positions == "positions_b1s":  # one row of positions broadcast over the batch
+        import cupy
+
+        kw_dev["positions"] = cupy.broadcast_to(cupy.asarray(kw["positions"][None]), (b, s))
+        kw = {"positions": np.broadcast_to(kw["positions"][None], (b, s))}
+    call = validate.check_call(x_dev, **kw_dev, layout=call_layout)
+    folded = launch.fold_batch(call)
+    assert folded.batch == 1 and folded.slabs[0].heads == b * heads  # the case under test
+    if positions == "positions_b1s":
+        got = to_host(cupy_rope.apply_rope(x_dev, **kw_dev, layout=call_layout))
+        assert_close(got, oracle(x, **src, **kw, layout=call_layout), "bfloat16", "b1s")
+        return
+    for mode in ("new", "out", "inplace"):
+        for backward in (False, True):
+            run_and_check(x, x_dev, "bfloat16", layout, r, False, {**src, **kw}, mode, backward)
