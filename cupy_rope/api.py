@@ -154,12 +154,27 @@ def _execute(op, head, tables, tail, options, offsets, make_kwargs, bound=None, 
                 if memo is not None:
                     RotaryEmbedding._remember(*memo, prepared)
                 return result
+    if bound is not None:
+        _check_bound_tables(tables, bound[0])
     result = _slow(op, arrays, make_kwargs(), offsets, key)
     if memo is not None and key is not None:
         prepared = _plans.get(key)
         if prepared is not None:
             RotaryEmbedding._remember(*memo, prepared)
     return result
+
+
+_TABLE_NAMES = ("cos", "sin", "inv_freq", "freqs", "cos_sin_cache")
+
+
+def _check_bound_tables(tables, signed) -> None:
+    """A RotaryEmbedding's tables must still be what it signed (else a plan made
+    for the changed table would be cached under the old signature)."""
+    for name, t, sig in zip(_TABLE_NAMES, tables, signed[1:]):
+        if t is not None and _sig_of(t) != sig:
+            raise ValueError(f"{name}: the RotaryEmbedding's table changed since it was "
+                             "bound (shape, strides, dtype, device or memory alignment); "
+                             "make a new RotaryEmbedding for the new table")
 
 
 def _alias_pattern(ptrs) -> tuple:
@@ -377,9 +392,10 @@ def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cach
     itself with ``inplace=True``. A position outside a table that the host
     cannot see (device positions, offsets or cu_seqlens), a token that device
     cu_seqlens leave out, or (cp_size > 1) a device cu_seqlens sequence
-    whose length is not a multiple of 2 * cp_size yields NaN in the rotated
-    channels, never an out-of-bounds read; host-visible positions and
-    cu_seqlens are checked up front.
+    whose length is not a multiple of 2 * cp_size (and every later one,
+    whose start is then misaligned) yields NaN in the rotated channels, never
+    an out-of-bounds read; host-visible positions and cu_seqlens are checked
+    up front.
     """
     return _execute(
         "rope", (x,), (cos, sin, inv_freq, freqs, cos_sin_cache), (positions, cu_seqlens, out),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import operator
 import struct
 import threading
@@ -35,8 +36,7 @@ LANES_ROUND_UP = True
 # token, or 24 heads over 8 lanes): smaller blocks fit 5 per SM instead of
 # 2, more warps in flight (fp32 one-head 0.73 -> 0.86 of copy). 0: keep 256.
 SMALL_BLOCK_THREADS = 128
-MAX_HEADS_PER_LANE = 0  # split heads into groups so that a lane has at most this many (0: off)
-FOLD_BATCH = True  # see fold_batch
+
 VARLEN_MIN_TOKENS = 16  # tokens per block to aim for with cu_seqlens
 MAX_SLABS = 3
 POS_MODES = {IMPLIED: 0, EXPLICIT: 1, VARLEN: 2, AXES: 3}
@@ -134,8 +134,13 @@ def choose_spec(call: Call) -> Spec:
     tail_vec = 1
     if copy_tail and not strided:
         tail_vec = _widest(widths, lambda w: (d - r) % w == 0 and r % w == 0 and x_ok(w)) or 1
+    # A tensor with fewer than UNROLL heads gives each thread one head to load
+    # whatever UNROLL is; the one-head kernel needs far fewer registers (~62)
+    # and runs twice the blocks per SM (fp32 [128, 8192, 1, 128]: 0.87 -> 0.98
+    # of copy; docs/perf-notes.md).
+    unroll = 1 if max(sl.heads for sl in call.slabs) < UNROLL else UNROLL
     spec = Spec(call.dtype, tables[0].dtype, d, r, call.interleaved, call.source, pairs,
-                tail_vec, strided, table_strided, copy_tail, UNROLL, call.pos_mode)
+                tail_vec, strided, table_strided, copy_tail, unroll, call.pos_mode)
     if spec.rot_items + spec.tail_items > THREADS_PER_BLOCK:
         raise ValueError(f"x: head_dim {d} with rotary_dim {r} on a last axis with stride != 1 "
                          f"(or unaligned) needs {spec.rot_items + spec.tail_items} threads per "
@@ -195,8 +200,6 @@ def block_shape(items: int, slab_heads: tuple, tokens: int, unroll: int, sm_coun
     groups = 1
     if total < target:  # few tokens: split heads into groups over more blocks
         groups = -(-target // max(total, 1))
-    if MAX_HEADS_PER_LANE:  # shorter blocks: a finer-grained tail at the end of the grid
-        groups = max(groups, max(-(-rows // MAX_HEADS_PER_LANE) for _, _, _, rows in layout))
     slabs, begin = [], 0
     for h, lanes, token_blocks, rows in layout:
         g = min(groups, rows)
@@ -205,52 +208,6 @@ def block_shape(items: int, slab_heads: tuple, tokens: int, unroll: int, sm_coun
         slabs.append((begin, token_blocks, lanes, heads_per_block))
         begin += token_blocks * n_groups
     return (begin, 1, 1), (items, by, bz), slabs
-
-
-# ------------------------------------------------------- batch folding --
-def fold_batch(call: Call) -> Call:
-    """The same launch with the batch axis taken as more heads, where it can be.
-
-    For tensors with fewer than UNROLL heads (one head per token: a thread
-    would have a single 512-byte row to load, 0.68 of copy for fp32
-    [128, 8192, 1, 128]). When every batch entry sees the same positions
-    (implied ones, or explicit ones that do not vary with the batch) and no
-    per-batch offsets, token (b, s) and token (b', s) rotate by the same
-    angles: a block then covers one sequence index for all b * h heads and
-    reads cos/sin once for all of them, like a single wide sequence (0.91 of
-    copy). With many heads it costs a few percent (measured), so it is
-    kept to this case. Batch entry b' becomes head
-    group b' (group stride: the batch stride), or, when the batch stride is
-    h times the head stride, simply heads [b' h, (b' + 1) h). Packed QKV
-    groupings (which use the groups already) are left as they are.
-    """
-    if (not FOLD_BATCH or call.layout == "thd" or call.batch <= 1
-            or max(sl.heads for sl in call.slabs) >= UNROLL):
-        return call
-    p = call.positions
-    if call.pos_mode == EXPLICIT:
-        if p.ndim != 1 and not (p.shape[0] == 1 or p.strides[0] == 0):
-            return call
-    elif call.pos_mode != IMPLIED:
-        return call
-    if call.offsets is not None:
-        return call
-    b = call.batch
-    slabs = []
-    for sl in call.slabs:
-        if sl.heads_per_group < sl.heads:
-            return call
-        views = [sl.x_strides] + ([sl.out_strides] if sl.out_strides is not None else [])
-        merge = all(st[0] == sl.heads * st[3] for st in views)
-        if not merge and any(st[0] == 0 for st in views):
-            return call  # a group stride of 0 would read as "not grouped"
-        fold = ((lambda st: (0, st[1], 0, st[3], st[4])) if merge
-                else (lambda st: (0, st[1], st[0], st[3], st[4])))
-        slabs.append(sl._replace(
-            x_strides=fold(sl.x_strides),
-            out_strides=None if sl.out_strides is None else fold(sl.out_strides),
-            heads=b * sl.heads, heads_per_group=b * sl.heads if merge else sl.heads))
-    return call._replace(batch=1, slabs=tuple(slabs))
 
 
 # ---------------------------------------------------------------- params --
@@ -330,15 +287,14 @@ class Plan:
         self.device_id = call.device[1]
         self.empty = call.tokens == 0 or call.heads == 0
         self.spec = spec = choose_spec(call)
-        folded = fold_batch(call)
         self.grid, self.block, slab_blocks = block_shape(
-            spec.rot_items + spec.tail_items, tuple(s.heads for s in folded.slabs),
-            folded.tokens, spec.unroll, _sm_count(self.device_id),
+            spec.rot_items + spec.tail_items, tuple(s.heads for s in call.slabs), call.tokens,
+            spec.unroll, _sm_count(self.device_id),
             VARLEN_MIN_TOKENS if call.pos_mode == VARLEN else 1)
         self.dims = (*self.grid, *self.block)
         self.kernel = None if self.empty else get_kernel(spec, self.device_id).ptr
         self.buf = ctypes.create_string_buffer(PARAMS_SIZE)
-        self.buf[_DYNAMIC.size:PARAMS_SIZE] = fixed_params(folded, slab_blocks)
+        self.buf[_DYNAMIC.size:PARAMS_SIZE] = fixed_params(call, slab_blocks)
         self.args = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.args_addr = ctypes.addressof(self.args)
         self.lock = threading.Lock()
@@ -476,10 +432,11 @@ def shipped_specs() -> list:
     The grid: dtype x head_dim {64, 80, 96, 128, 256} x rotary fraction
     {1, 1/2, 1/4} x NeoX/GPT-J x angle source (float32 tables, tables in x's
     dtype, inv_freq, angle table) x in place / out of place x position rule
-    (implied, explicit, varlen, per-axis), plus the element-by-element path for a
-    strided last axis. The CPU tests compile all of them with NVRTC. Specs
-    are derived by running :func:`choose_spec` on shape-only descriptions,
-    so the list follows the launch policy.
+    (implied, explicit, varlen, per-axis), plus the element-by-element path
+    for a strided last axis; and the same for one head per token (the UNROLL
+    1 kernels) with implied positions. The CPU tests compile all of them with
+    NVRTC. Specs are derived by running :func:`choose_spec` on shape-only
+    descriptions, so the list follows the launch policy.
     """
     from .interop import CUDA, Tensor
     from .validate import check_call
@@ -496,8 +453,8 @@ def shipped_specs() -> list:
                       False)
 
     specs = []
-    s, h = 16, 4
-    for dtype in ("float32", "float16", "bfloat16"):
+    s = 16
+    for h, dtype in itertools.product((4, 1), ("float32", "float16", "bfloat16")):
         for d in SHIPPED_HEAD_DIMS:
             for frac in SHIPPED_ROTARY_FRACTIONS:
                 r = int(d * frac) // 2 * 2
@@ -508,6 +465,8 @@ def shipped_specs() -> list:
                     for interleaved in (False, True):
                         for inplace in (False, True):
                             for pos_mode in ("implied", "explicit", "varlen", "axes"):
+                                if h == 1 and pos_mode != "implied":
+                                    continue  # the one-head kernels: a representative set
                                 for last_stride in (1, 2):
                                     if last_stride == 2 and (inplace or pos_mode != "implied"):
                                         continue

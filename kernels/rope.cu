@@ -35,7 +35,7 @@ __device__ __forceinline__ void head_offsets(const Slab& sl, i64 j, i64& xo, i64
   if (sl.heads_per_group >= sl.n_heads) {
     xo = j * sl.x.stride_head;
     oo = j * sl.out.stride_head;
-  } else {  // head groups: packed QKV, or batch entries folded into heads
+  } else {  // packed QKV groups
     const i64 g = static_cast<unsigned>(j) / static_cast<unsigned>(sl.heads_per_group);
     const i64 jj = j - g * sl.heads_per_group;
     xo = g * sl.x.stride_group + jj * sl.x.stride_head;
@@ -57,7 +57,8 @@ __device__ __forceinline__ int block_slab(const Params& p) {
 template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERLEAVED,
           int SOURCE, int PAIRS, int TAIL_VEC, bool STRIDED, bool TABLE_STRIDED, bool COPY_TAIL,
           int UNROLL, int POS_MODE>
-__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS_PER_SM) rope_kernel(const Params p) {
+__global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_SM : MIN_BLOCKS_PER_SM)
+    rope_kernel(const Params p) {
   static_assert(HEAD_DIM % 2 == 0 && ROTARY_DIM % 2 == 0, "even dims");
   static_assert(ROTARY_DIM <= HEAD_DIM, "rotary_dim <= head_dim");
   constexpr int HALF = ROTARY_DIM / 2;

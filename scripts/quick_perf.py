@@ -215,15 +215,16 @@ if __name__ == "__main__":
         # e.g. base: up:LANES_ROUND_UP=1 small:SMALL_BLOCK_THREADS=128
         from cupy_rope import launch
         defaults = {a: getattr(launch, a) for a in ("LANES_ROUND_UP", "SMALL_BLOCK_THREADS",
-                                                    "MAX_HEADS_PER_LANE", "THREADS_PER_BLOCK",
-                                                    "MAX_HEAD_LANES", "FOLD_BATCH")}
+                                                    "THREADS_PER_BLOCK", "MAX_HEAD_LANES")}
         for spec in sys.argv[sys.argv.index("--variants") + 1:]:
             name, _, rest = spec.partition(":")
-            variant(4, 2, lanes=defaults["MAX_HEAD_LANES"])
+            settings = dict(kv.partition("=")[::2] for kv in filter(None, rest.split(",")))
+            # UNROLL and MINB (blocks per SM in __launch_bounds__) recompile the kernels.
+            variant(int(settings.pop("UNROLL", 4)), int(settings.pop("MINB", 2)),
+                    lanes=defaults["MAX_HEAD_LANES"])
             for a, v in defaults.items():
                 setattr(launch, a, v)
-            for kv in filter(None, rest.split(",")):
-                a, _, v = kv.partition("=")
+            for a, v in settings.items():
                 setattr(launch, a, int(v))
             print(f"== {name}: {rest or 'defaults'}", flush=True)
             main(host=False)

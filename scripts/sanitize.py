@@ -28,6 +28,13 @@ import ml_dtypes  # noqa: E402
 
 import cupy_rope  # noqa: E402
 
+# Every array its own cudaMalloc: memcheck then sees an access past any
+# array's end (not just past a pooled block's), and initcheck sees a read of
+# an output element the kernel never wrote (CuPy's pool would hand out
+# memory already written by an earlier call).
+cupy.cuda.set_allocator(None)
+cupy.cuda.set_pinned_memory_allocator(None)
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
@@ -164,8 +171,8 @@ def positions_and_offsets():
 
 
 @case
-def few_heads_batch_folded():
-    """Fewer than 4 heads: the batch becomes head groups (bshd) or merged heads (sbhd)."""
+def few_heads():
+    """Fewer than 4 heads: the one-head kernels (UNROLL 1)."""
     n = 0
     cos, sin = tables(64, 70)
     for dtype in ("float32", "bfloat16"):
@@ -174,13 +181,20 @@ def few_heads_batch_folded():
                 for kw in ({}, {"positions": rng.integers(0, 60, 22).astype(np.int32)},
                            {"cp_size": 3, "cp_rank": 2, "rotary_dim": 32}):
                     for inplace in (False, True):
-                        run(f"folded {layout} h{heads} {sorted(kw)}", cupy_rope.apply_rope,
+                        run(f"few heads {layout} h{heads} {sorted(kw)}", cupy_rope.apply_rope,
                             dtype, [normal(shape, dtype)],
                             dict(kw, cos=cos[:, :16] if "rotary_dim" in kw else cos,
                                  sin=sin[:, :16] if "rotary_dim" in kw else sin,
                                  layout=layout, inplace=inplace),
                             inplace_arrays=(0,) if inplace else ())
                         n += 1
+            # out= laid out differently from x (bhsd memory seen as bshd)
+            x = normal((4, 22, 3, 64), dtype)
+            out = cupy.empty((4, 3, 22, 64), x.dtype).transpose(0, 2, 1, 3)
+            got = cupy_rope.apply_rope(dev(x), dev(cos), dev(sin), out=out)
+            compare(host(got), cupy_rope.apply_rope(up(x), up(cos), up(sin)), dtype,
+                    "few heads, out= with other strides")
+            n += 1
     return n
 
 
@@ -316,9 +330,15 @@ def outside_the_table_and_empty():
     got = host(cupy_rope.apply_rope(dev(normal((6, 2, 32))), dev(cos), dev(sin), layout="thd",
                                     cu_seqlens=dev(cu)))
     assert np.isnan(got[5:, :, :16]).all() and not np.isnan(got[:5]).any()
+    # cp_size 2 with a device cu_seqlens whose first length (6) does not split
+    # into 4 chunks: NaN for its tokens and the misaligned ones after it.
+    got = host(cupy_rope.apply_rope(dev(normal((7, 2, 32))), dev(cos), dev(sin), layout="thd",
+                                    cu_seqlens=dev(np.array([0, 6, 14], np.int32)), cp_size=2,
+                                    cp_rank=1))
+    assert np.isnan(got[..., :16]).all()
     for shape in ((0, 4, 2, 32), (2, 0, 2, 32), (2, 4, 0, 32)):
         cupy_rope.apply_rope(cupy.zeros(shape, np.float32), dev(cos), dev(sin))
-    return 5
+    return 6
 
 
 def main() -> int:

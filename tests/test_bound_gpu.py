@@ -65,6 +65,7 @@ def test_bound_calls_equal_apply_rope(rng, framework, source):
             got = rope.qk_(q2, k2, pos)
             assert got[0] is q2 and got[1] is k2
             same((q2, k2), want)
+            assert len(rope._fast) == 1  # qk_'s own cache holds this signature's plan
             qkv = to_device(rng.standard_normal(tok + ((hq + 2 * hk) * d,)).astype(dt), framework)
             outs = rope.qkv(qkv, pos, num_q_heads=hq, num_kv_heads=hk)
             same(outs, cupy_rope.apply_rope_qkv(qkv, **ang, positions=pos, layout=layout,
@@ -86,6 +87,39 @@ def test_bound_cached_path_still_checks_overlap(rng):
     with pytest.raises(ValueError, match="overlaps"):
         rope.qk_(buf[:32, :4], buf[:32, 3:5], pos)  # same signature, overlapping memory
     assert torch.equal(buf, before)
+
+
+def test_bound_fast_path_is_taken(rng, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from cupy_rope import api
+
+    _, cos, sin = tables(128, 600)
+    rope = cupy_rope.RotaryEmbedding(cos_sin_cache=torch.from_numpy(
+        np.concatenate([cos, sin], 1)).cuda(), layout="thd")
+    q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 600, (64,), device="cuda")
+    rope.qk_(q.clone(), k.clone(), pos)  # plans and fills the fast cache
+    calls = []
+    monkeypatch.setattr(api, "_execute", lambda *a, **kw: calls.append(a))
+    q2, k2 = q.clone(), k.clone()
+    got = rope.qk_(q2, k2, pos)
+    assert got[0] is q2 and got[1] is k2 and not calls  # no general path
+    monkeypatch.undo()
+    same((q2, k2), cupy_rope.apply_rope_qk(q, k, cos_sin_cache=rope._tables[4], positions=pos,
+                                           layout="thd"))
+
+
+def test_bound_table_changed_in_place_is_refused(rng):
+    torch = pytest.importorskip("torch")
+    _, cos, sin = tables(64, 100)
+    cache = torch.from_numpy(np.concatenate([cos, sin], 1)).cuda()
+    rope = cupy_rope.RotaryEmbedding(cos_sin_cache=cache, layout="thd")
+    x = torch.randn(10, 3, 64, device="cuda")
+    rope(x, torch.arange(10, device="cuda"))
+    cache.resize_(50, 64)  # the contract: make a new object instead
+    with pytest.raises(ValueError, match="cos_sin_cache: .*changed since"):
+        rope(torch.randn(11, 3, 64, device="cuda"), torch.arange(11, device="cuda"))
 
 
 def test_bound_sees_new_table_contents(rng):

@@ -1,8 +1,9 @@
 """Reliability on the GPU: 64-bit sizes, threads and streams, devices, determinism.
 
-- More than 2^31 elements: the last elements of a bf16 [8, 16384, 64, 256]
-  tensor (2^31 elements, 4 GiB) are checked against float64, in bshd, sbhd
-  and packed thd views of the same memory.
+- More than 2^31 elements: the last elements of a bf16 [9, 16384, 64, 256]
+  tensor (2^31 + 2^28 elements, 4.5 GiB) are checked against float64, in
+  bshd, sbhd and packed thd views of the same memory; q+k with q past 2^31
+  elements; and thd with 2^32 + 5 tokens (token indices past 32 bits).
 - Threads calling different specializations at once compile each one
   exactly once and all get correct results; calls on several streams from
   several threads give the same bits as sequential calls.
@@ -51,7 +52,7 @@ def expected_rows(x_rows, positions, cos, sin, rotary_dim, interleaved):
 
 
 # -------------------------------------------------------- 64-bit sizes --
-BIG = (8, 16384, 64, 256)  # 2^31 elements: 4 GiB of bf16
+BIG = (9, 16384, 64, 256)  # 2^31 + 2^28 elements: 4.5 GiB of bf16
 
 
 def _free_gib():
@@ -61,24 +62,24 @@ def _free_gib():
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 def test_more_than_2_31_elements(interleaved):
-    if _free_gib() < 14:
-        pytest.skip("needs 14 GiB of free device memory")
+    if _free_gib() < 16:
+        pytest.skip("needs 16 GiB of free device memory")
     b, s, h, d = BIG
     r = 192  # partial rotary: the untouched tail is checked bit for bit too
     n_elem = b * s * h * d
-    assert n_elem >= 2**31
+    assert n_elem > 2**31 and (b - 1) * s * h * d >= 2**31  # the last batch entry starts past int32
     g = torch.Generator(device="cuda").manual_seed(1234)
     x = torch.randn(BIG, device="cuda", dtype=torch.bfloat16, generator=g)
     inv_freq = inv_freq_np(r)
     cos, sin = tables_np(inv_freq, s)
     cos_t, sin_t = torch.from_numpy(cos).cuda(), torch.from_numpy(sin).cuda()
 
-    # bshd, a new output: the batch stride (2^28 elements) times 7 is past 2^31.
+    # bshd into out=: batch entry 8 starts at element 8 * 2^28 = 2^31.
     out = torch.full_like(x, float("nan"))
     cupy_rope.apply_rope(x, cos_t, sin_t, rotary_dim=r, interleaved=interleaved, out=out)
     torch.cuda.synchronize()
     # Rows: the very first and the very last tokens, and some in between.
-    picks = [(0, 0), (0, s - 1), (3, 12345), (7, 0), (7, s - 2), (b - 1, s - 1)]
+    picks = [(0, 0), (0, s - 1), (3, 12345), (7, 0), (8, 0), (8, s - 2), (b - 1, s - 1)]
     for bi, si in picks:
         xr = host_bf16(x[bi, si])
         want = expected_rows(xr[None], np.array([si]), cos, sin, r, interleaved)[0]
@@ -97,7 +98,7 @@ def test_more_than_2_31_elements(interleaved):
     assert torch.equal(out_sb.transpose(0, 1), out)
     del out_sb
 
-    # thd in place on the flat [b * s, h, d] view, 8 sequences of s tokens:
+    # thd in place on the flat [b * s, h, d] view, b sequences of s tokens:
     # bit-identical to the bshd result, and the tail is not touched.
     cu = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
     t = x.view(b * s, h, d)
@@ -111,7 +112,7 @@ def test_more_than_2_31_elements(interleaved):
 def test_qk_with_more_than_2_31_elements_in_q():
     if _free_gib() < 12:
         pytest.skip("needs 12 GiB of free device memory")
-    t, hq, hk, d = 2**31 // (32 * 128), 32, 8, 128  # q: 2^31 elements
+    t, hq, hk, d = 2**31 // (32 * 128) + 4096, 32, 8, 128  # q: 2^31 + 2^24 elements
     g = torch.Generator(device="cuda").manual_seed(99)
     q = torch.randn((t, hq, d), device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn((t, hk, d), device="cuda", dtype=torch.bfloat16, generator=g)
@@ -127,6 +128,26 @@ def test_qk_with_more_than_2_31_elements_in_q():
         want = reference.rotate(x0.astype(np.float64)[None], np.cos(theta)[None],
                                 np.sin(theta)[None], d, False)[0]
         assert_close(got, want, "bfloat16", "last q/k tokens")
+
+
+def test_more_than_2_32_tokens():
+    """thd [2^32 + 5, 1, 2] in place: token indices past 32 bits (the kernel's
+    64-bit token path) and 2^33 elements; the last tokens against float64."""
+    if _free_gib() < 20:
+        pytest.skip("needs 20 GiB of free device memory")
+    t = 2**32 + 5
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn((t, 1, 2), device="cuda", dtype=torch.bfloat16, generator=g)
+    inv = np.array([1e-7], np.float32)
+    first, last = host_bf16(x[:3]), host_bf16(x[-5:])
+    cupy_rope.apply_rope(x, inv_freq=torch.from_numpy(inv).cuda(), layout="thd", inplace=True)
+    for got, x0, pos in ((host_bf16(x[:3]), first, np.arange(3)),
+                         (host_bf16(x[-5:]), last, np.arange(t - 5, t))):
+        theta = pos[:, None].astype(np.float64) * np.float64(inv[0])
+        want = reference.rotate(x0.astype(np.float64)[None], np.cos(theta)[None],
+                                np.sin(theta)[None], 2, False)[0]
+        assert_close(got, want, "bfloat16", f"tokens {pos[0]}..")
+    assert abs(float(theta[-1, 0]) - 429.4967) < 1e-3  # the last angle really is ~2^32 * 1e-7
 
 
 # ---------------------------------------------------------- concurrency --
@@ -244,20 +265,34 @@ def test_many_streams_and_threads_match_sequential(rng):
                 assert np.array_equal(bits(to_host(o)), bits(w))
 
 
-def test_cupy_streams_match_sequential(rng):
+SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+  long long t = clock64();
+  while (clock64() - t < cycles) {}
+}"""
+
+
+def test_cupy_streams_are_followed(rng):
+    """Each non-blocking CuPy stream is kept busy, then a copy of x is rotated in
+    place on it: a launch on any other stream would rotate before the copy
+    lands and leave y unrotated."""
     import cupy
 
+    spin = cupy.RawKernel(SPIN, "spin")
     x = to_device(rng.standard_normal((4, 256, 16, 64)).astype(np.float16))
     inv = to_device(inv_freq_np(64))
     want = bits(to_host(cupy_rope.apply_rope(x, inv_freq=inv)))
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(4)]
-    outs = []
+    ys = []
     for st in streams:
         with st:
-            outs.append(cupy_rope.apply_rope(x, inv_freq=inv))
-    for st, o in zip(streams, outs):
+            spin((1,), (1,), (np.int64(20_000_000),))
+            y = x.copy()
+            cupy_rope.apply_rope(y, inv_freq=inv, inplace=True)
+            ys.append(y)
+    for st, y in zip(streams, ys):
         st.synchronize()
-        assert np.array_equal(bits(to_host(o)), want)
+        assert np.array_equal(bits(to_host(y)), want)
 
 
 # ------------------------------------------------------------- devices --

@@ -278,11 +278,10 @@ def test_tiny_head_dims(rng, head_dim, heads, interleaved):
 
 @pytest.mark.parametrize("heads", [1, 3])
 @pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd_view"])
-@pytest.mark.parametrize("positions", ["default", "positions_s+int", "cp", "positions_b1s"])
-def test_few_heads_batch_folded_into_heads(rng, heads, layout, positions):
-    """Fewer than UNROLL heads and a batch: the launch takes the batch as more
-    heads (launch.fold_batch; merged for sbhd, head groups for bshd and
-    views). Every mode against the float64 oracle, tails bit-exact."""
+@pytest.mark.parametrize("positions", ["default", "positions_s+int", "cp", "offsets"])
+def test_few_heads_one_head_kernel(rng, heads, layout, positions):
+    """Fewer than UNROLL heads: the one-head kernels (UNROLL 1, 4 blocks per
+    SM). Every mode against the float64 oracle, tails bit-exact."""
     from cupy_rope import launch, validate
 
     b, s, d, r = 5, 24, 64, 48
@@ -290,7 +289,7 @@ def test_few_heads_batch_folded_into_heads(rng, heads, layout, positions):
     src = angle_sources(rng, "bfloat16", r, rows)["table_f32"]
     kw = {"positions_s+int": {"positions": rng.integers(0, rows - 7, s).astype(np.int32),
                               "offsets": 7},
-          "positions_b1s": {"positions": rng.integers(0, rows, s).astype(np.int64)},
+          "offsets": {"offsets": rng.integers(0, rows - s, b).astype(np.int32)},
           "cp": {"cp_size": 2, "cp_rank": 1}, "default": {}}[positions]
     call_layout = "sbhd" if layout == "sbhd" else "bshd"
     x = rng.standard_normal((s, b, heads, d) if layout == "sbhd" else (b, s, heads, d))
@@ -298,19 +297,8 @@ def test_few_heads_batch_folded_into_heads(rng, heads, layout, positions):
     x_dev = to_device(x)
     if layout == "bhsd_view":
         x_dev = to_device(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
-    kw_dev = dev({**src, **kw})
-    if positions == "positions_b1s":  # one row of positions broadcast over the batch
-        import cupy
-
-        kw_dev["positions"] = cupy.broadcast_to(cupy.asarray(kw["positions"][None]), (b, s))
-        kw = {"positions": np.broadcast_to(kw["positions"][None], (b, s))}
-    call = validate.check_call(x_dev, **kw_dev, layout=call_layout)
-    folded = launch.fold_batch(call)
-    assert folded.batch == 1 and folded.slabs[0].heads == b * heads  # the case under test
-    if positions == "positions_b1s":
-        got = to_host(cupy_rope.apply_rope(x_dev, **kw_dev, layout=call_layout))
-        assert_close(got, oracle(x, **src, **kw, layout=call_layout), "bfloat16", "b1s")
-        return
+    call = validate.check_call(x_dev, **dev({**src, **kw}), layout=call_layout)
+    assert launch.choose_spec(call).unroll == 1  # the case under test
     for mode in ("new", "out", "inplace"):
         for backward in (False, True):
             run_and_check(x, x_dev, "bfloat16", layout, r, False, {**src, **kw}, mode, backward)
