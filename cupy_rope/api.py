@@ -112,7 +112,9 @@ def _execute(op, head, tables, tail, options, offsets, make_kwargs, bound=None, 
     else:
         offset, offsets_array = _split_offsets(offsets)
         tail = tail + (offsets_array,)
-    key = [op, options]
+    # The option types too: 64.0 == 64 and 1 == True, but validation refuses
+    # a float rotary_dim or an int inplace, so they must not share a plan.
+    key = [op, options, tuple(map(type, options))]
     ptrs: list = []
     signers = _SIGNERS
     if bound is None:

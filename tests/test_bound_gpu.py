@@ -145,3 +145,18 @@ def test_bound_device_positions_outside_table_give_nan(rng):
     x = torch.randn(4, 2, 32, device="cuda")
     out = rope(x, torch.tensor([0, 7, 8, -1], device="cuda"))
     assert not out[:2].isnan().any() and out[2:, :, :16].isnan().all()
+
+
+def test_cached_plan_does_not_accept_options_validation_refuses(rng):
+    """A plan made for rotary_dim=32, inplace=True is not reused for 32.0 or 1."""
+    torch = pytest.importorskip("torch")
+    _, cos, sin = tables(32, 16)
+    cos, sin = torch.from_numpy(cos).cuda(), torch.from_numpy(sin).cuda()
+    x = torch.randn(2, 16, 3, 64, device="cuda")
+    cupy_rope.apply_rope(x, cos, sin, rotary_dim=32, inplace=True)
+    before = x.clone()
+    with pytest.raises(TypeError, match="rotary_dim"):
+        cupy_rope.apply_rope(x, cos, sin, rotary_dim=32.0, inplace=True)
+    with pytest.raises(TypeError, match="inplace"):
+        cupy_rope.apply_rope(x, cos, sin, rotary_dim=32, inplace=1)
+    assert torch.equal(x, before)
