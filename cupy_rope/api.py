@@ -78,6 +78,7 @@ class _Prepared:
 
 
 _SIGNERS = interop.SIGNERS
+_KEY3 = interop.KEY3
 
 
 def _sign(a, key, ptrs) -> bool:
@@ -102,8 +103,8 @@ def _execute(op, head, tables, tail, options, offsets, make_kwargs, bound=None, 
     freqs, cos_sin_cache) and ``tail`` (positions, cu_seqlens, outputs).
     The key is the op, its options and every array's signature. ``bound``
     (a :class:`RotaryEmbedding`'s signed tables) replaces signing the tables;
-    ``memo`` (dict, key) receives the launch plan of a call whose arrays all
-    have distinct pointers.
+    ``memo`` (dict, key, table pointers) receives a launcher for the plan of
+    a call whose arrays all have distinct pointers (RotaryEmbedding.qk_).
     """
     if offsets is None:
         offset = 0
@@ -632,37 +633,36 @@ class RotaryEmbedding:
         checks that the written arrays overlap nothing, and launches.
         """
         fast = self._fast
-        fast_key = None
-        if fast is not None:
-            key: list = []
-            ptrs: list = []
-            sq, sk = _SIGNERS.get(type(q)), _SIGNERS.get(type(k))
-            sp = _SIGNERS.get(type(positions))
-            if (sq is not None and sk is not None and sp is not None and sq(q, key, ptrs)
-                    and sk(k, key, ptrs) and sp(positions, key, ptrs)):
-                fast_key = tuple(key)
-                hit = fast.get(fast_key)
-                pq, pk, pp = ptrs
-                if hit is not None and pq != pk and pq != pp and pk != pp:
-                    # A plan of this object's with nothing to allocate and any
-                    # offset allowed: only the overlap test is left per call.
-                    apart, plan = hit
-                    ptrs = [pq, pk, *self._bound[1], pp, 0, 0, 0]
-                    if apart(ptrs):
-                        plan.launch(ptrs, 0)
-                        return q, k
+        memo = None
+        cls = type(q)
+        if fast is not None and type(k) is cls and type(positions) is cls:
+            key3 = _KEY3.get(cls) or interop.key3(cls)
+            got = key3(q, k, positions)
+            if got is not None:
+                go = fast.get(got[0])
+                # A plan of this object's with nothing to allocate: only the
+                # overlap test is left per call (go returns False on overlap).
+                if go is not None and go(got[1], got[2], got[3]):
+                    return q, k
+                if go is None and len(fast) < 256:
+                    memo = (fast, got[0], self._bound[1])
         return _execute(
             "qk", (q, k), self._tables, (positions, None, None, None), self._qk_options, None,
             lambda: dict(x=q, k=k, **self._angles(), positions=positions, inplace=True,
                          **self._fixed),
-            self._bound, None if fast_key is None or len(fast) >= 256 else (fast, fast_key))
+            self._bound, memo)
 
     @staticmethod
-    def _remember(fast, key, prepared):
-        """qk_'s cache entry (overlap test, plan) for a plan it can launch directly."""
+    def _remember(fast, key, table_ptrs, prepared):
+        """qk_'s cache entry: a launcher of (q, k, positions) pointers for a plan
+        with nothing to allocate and any offset allowed (offset 0 is used)."""
         r = prepared.offset_range
         if not prepared.allocs and r[0] <= 0 < r[1]:
-            fast[key] = (prepared.apart, prepared.plan)
+            # Array indices as _execute lists them: q, k, the five tables,
+            # positions, cu_seqlens, out_q, out_k.
+            consts = {2 + i: p for i, p in enumerate(table_ptrs)}
+            fast[key] = launch.bound_launcher(prepared.plan, prepared.disjoint,
+                                              {0: "q", 1: "k", 7: "positions"}, consts)
 
     def qkv(self, qkv, positions=None, offsets=None, *, num_q_heads, num_kv_heads,
             packing="concat", out_q=None, out_k=None, out_v=None, backward=False,

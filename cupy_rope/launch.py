@@ -37,8 +37,17 @@ LANES_ROUND_UP = True
 # 2, more warps in flight (fp32 one-head 0.73 -> 0.86 of copy). 0: keep 256.
 SMALL_BLOCK_THREADS = 128
 
-VARLEN_MIN_TOKENS = 16  # tokens per block to aim for with cu_seqlens
+# Tokens per block to aim for with cu_seqlens: each block searches for its
+# first sequence (one dependent load per 32-fold narrowing) before it loads,
+# so blocks take more tokens when that search is deeper. thd [65536, 32, 128]
+# bf16 on the H100, of copy, for n_seqs 1 / 128 / 2401: 4 tokens 0.972 /
+# 0.986 / 0.944, 8 tokens 0.948 / 0.965 / 0.972, 16 tokens 0.932 / 0.946 /
+# 0.953.
+VARLEN_MIN_TOKENS = 8
+VARLEN_FEW_SEQS = 1024  # up to this many sequences (two search steps): 4 tokens
+VARLEN_FEW_SEQS_MIN_TOKENS = 4
 MAX_SLABS = 3
+MAX_HEADS = 1 << 30  # heads per token (kernels/rope.cu indexes heads in 32 bits)
 POS_MODES = {IMPLIED: 0, EXPLICIT: 1, VARLEN: 2, AXES: 3}
 
 # The fields of rope::Params, in order: (name, struct code). Every field is 8
@@ -138,7 +147,11 @@ def choose_spec(call: Call) -> Spec:
     # whatever UNROLL is; the one-head kernel needs far fewer registers (~62)
     # and runs twice the blocks per SM (fp32 [128, 8192, 1, 128]: 0.87 -> 0.98
     # of copy; docs/perf-notes.md).
-    unroll = 1 if max(sl.heads for sl in call.slabs) < UNROLL else UNROLL
+    max_heads = max(sl.heads for sl in call.slabs)
+    if max_heads >= MAX_HEADS:
+        raise ValueError(f"x: {max_heads} heads per token; at most {MAX_HEADS - 1} are supported "
+                         "(the kernel counts heads in 32 bits)")
+    unroll = 1 if max_heads < UNROLL else UNROLL
     spec = Spec(call.dtype, tables[0].dtype, d, r, call.interleaved, call.source, pairs,
                 tail_vec, strided, table_strided, copy_tail, unroll, call.pos_mode)
     if spec.rot_items + spec.tail_items > THREADS_PER_BLOCK:
@@ -208,6 +221,10 @@ def block_shape(items: int, slab_heads: tuple, tokens: int, unroll: int, sm_coun
         slabs.append((begin, token_blocks, lanes, heads_per_block))
         begin += token_blocks * n_groups
     return (begin, 1, 1), (items, by, bz), slabs
+
+
+def _varlen_min_tokens(n_seqs: int) -> int:
+    return VARLEN_FEW_SEQS_MIN_TOKENS if n_seqs <= VARLEN_FEW_SEQS else VARLEN_MIN_TOKENS
 
 
 # ---------------------------------------------------------------- params --
@@ -290,7 +307,7 @@ class Plan:
         self.grid, self.block, slab_blocks = block_shape(
             spec.rot_items + spec.tail_items, tuple(s.heads for s in call.slabs), call.tokens,
             spec.unroll, _sm_count(self.device_id),
-            VARLEN_MIN_TOKENS if call.pos_mode == VARLEN else 1)
+            _varlen_min_tokens(call.n_seqs) if call.pos_mode == VARLEN else 1)
         self.dims = (*self.grid, *self.block)
         self.kernel = None if self.empty else get_kernel(spec, self.device_id).ptr
         self.buf = ctypes.create_string_buffer(PARAMS_SIZE)
@@ -321,7 +338,7 @@ class Plan:
         if call.x.kind == "torch":
             self.stream = interop.torch_stream_getter()
         else:
-            self.stream = lambda device_id: interop.cupy_stream()
+            self.stream = interop.cupy_stream_getter()
 
     def launch(self, ptrs: list, offset: int) -> None:
         """Launch with these per-array data pointers (``ptrs[i]`` of array i)."""
@@ -410,6 +427,71 @@ def spans_apart(pairs):
              f"p[{int(i)}] + {int(si[1])} <= p[{int(j)}] + {int(sj[0])})"
              for i, si, _, j, sj, _ in pairs]
     return eval("lambda p: " + " and ".join(terms))  # noqa: S307 - integers and indices only
+
+
+def bound_launcher(plan: Plan, pairs, args: dict, consts: dict):
+    """A function of a few named per-call pointers that launches ``plan``.
+
+    ``args`` maps array indices (as in the plan's pointer list) to parameter
+    names (the function's parameters, in that order), ``consts`` maps the other indices to fixed pointers (a
+    RotaryEmbedding's tables; 0 for absent arrays). The function tests
+    ``pairs`` apart (as :func:`spans_apart`) and returns False without
+    launching if they may overlap; otherwise it packs the data pointers
+    (scalar offset 0) into the calling thread's copy of the plan's
+    parameters and launches on the current stream, returning True.
+    Generated once per plan as straight-line code: it runs on every cached
+    decode step.
+    """
+    names = list(dict.fromkeys(args.values()))  # parameters in the order given
+
+    def ref(i, byte_offset=0):
+        if i in args:
+            return f"({args[i]} + {int(byte_offset)})" if byte_offset else args[i]
+        return str(int(consts.get(i, 0)) + int(byte_offset) if i >= 0 else 0)
+
+    apart = " and ".join(
+        f"({ref(j)} + {int(sj[1])} <= {ref(i)} + {int(si[0])} or "
+        f"{ref(i)} + {int(si[1])} <= {ref(j)} + {int(sj[0])})"
+        for i, si, _, j, sj, _ in pairs) or "True"
+    ptrs = ", ".join(ref(i, off) for i, off in plan.slots)
+    n_slots = max([*args, *consts]) + 1
+    slow = ", ".join(ref(i) for i in range(n_slots))
+    src = f"""def go({", ".join(names)}):
+    if not ({apart}):
+        return False
+    if empty:
+        return True
+    stream = stream_of(dev)
+    mine = buffers.get(ident())
+    if mine is None:
+        mine = own_buffer()
+    pack(mine[0], 0, {ptrs}, 0)
+    if get_device() == dev:
+        launch_kernel(kernel, {", ".join(map(str, plan.dims))}, 0, stream, mine[1], 0)
+        return True
+    plan.launch([{slow}], 0)  # another device is current: the general launch
+    return True
+"""
+    from cupy.cuda import driver
+    from cupy_backends.cuda.api.runtime import getDevice
+
+    # Each thread packs its own copy of the parameters (no lock: the driver
+    # reads them during the launch call, which releases the GIL).
+    buffers: dict = {}
+    params = bytes(plan.buf)
+
+    def own_buffer():
+        buf = ctypes.create_string_buffer(params, PARAMS_SIZE)
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+        entry = buffers[threading.get_ident()] = (buf, ctypes.addressof(args), args)
+        return entry
+
+    env = dict(empty=plan.empty, stream_of=plan.stream, dev=plan.device_id, buffers=buffers,
+               ident=threading.get_ident, own_buffer=own_buffer, pack=_pack_dynamic,
+               get_device=getDevice, kernel=plan.kernel, launch_kernel=driver.launchKernel,
+               plan=plan)
+    exec(src, env)  # noqa: S102 - integers, indices and fixed names only
+    return env["go"]
 
 
 def check_disjoint(pairs, ptrs) -> bool:

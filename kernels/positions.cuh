@@ -47,33 +47,43 @@ __device__ __forceinline__ i64 seq_start(const Params& p, i64 s) {
 // access.
 __device__ __forceinline__ i64 warp_find_sequence(const Params& p, i64 lo, i64 hi, i64 t,
                                                   int lane, int lanes, unsigned mask) {
-  if (seq_start(p, lo) > t) return lo - 1;
   if (lanes < 2) {  // a one-thread block: plain binary search
+    if (seq_start(p, lo) > t) return lo - 1;
     while (hi - lo > 1) {
       const i64 mid = (lo + hi) / 2;
       if (seq_start(p, mid) <= t) lo = mid; else hi = mid;
     }
     return lo;
   }
-  while (hi - lo > 1) {
-    const i64 step = (hi - lo + lanes - 1) / lanes;
+  // The first step also tests seq_start(lo) (lane 0), so no load waits for
+  // a separate check.
+  i64 step = (hi - lo + lanes - 1) / lanes;
+  bool first_step = true;
+  do {
     const i64 idx = lo + lane * step;
     const bool ok = idx < hi && seq_start(p, idx) <= t;
-    const unsigned votes = __ballot_sync(mask, ok);  // lane 0 is always set
-    const int last = 31 - __clz(votes);
+    const unsigned votes = __ballot_sync(mask, ok);
+    if (first_step && votes == 0) return lo - 1;  // seq_start(lo) > t
+    first_step = false;
+    const int last = 31 - __clz(votes);  // votes != 0: lane 0 is set
     const i64 new_lo = lo + last * step;
     hi = min(hi, new_lo + step);
     lo = new_lo;
-  }
+    step = (hi - lo + lanes - 1) / lanes;
+  } while (hi - lo > 1);
   return lo;
 }
 
 // VARLEN: the sequence of each token of this block, written to
 // seq_of_lane[z] for token first + z, z < count (-1 for a token no sequence
-// covers). The block's tokens are [first, last]; the first warp finds the
-// sequences of first and last once for the block, then each lane searches
-// only that (usually one-entry) range. Called by every thread of the block;
-// a barrier follows.
+// covers). The block's tokens are [first, last]. The first warp finds the
+// sequence s0 of `first`, then reads the starts of the next `lanes`
+// sequences at once (one per lane). When those reach past `last` (a block
+// spans fewer than `lanes` sequence starts: the usual case), the sequence of
+// token t is s0 plus the number of those starts <= t, counted with a ballot:
+// two dependent loads after s0's search. Otherwise each lane searches the
+// range [s0, s_last] for its tokens. Called by every thread of the block; a
+// barrier follows.
 __device__ __forceinline__ void find_block_sequences(const Params& p, i64 first, i64 last,
                                                      int count, int* seq_of_lane) {
   const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
@@ -81,9 +91,24 @@ __device__ __forceinline__ void find_block_sequences(const Params& p, i64 first,
   if (tid >= lanes) return;
   const unsigned mask = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
   const i64 n = p.n_seqs;
-  const i64 s_first = warp_find_sequence(p, 0, n, first, tid, lanes, mask);
-  const i64 s_last = warp_find_sequence(p, max(s_first, i64(0)), n, last, tid, lanes, mask);
   const i64 end = seq_start(p, n);  // one past the last covered token
+  const i64 s_first = warp_find_sequence(p, 0, n, first, tid, lanes, mask);
+  // Starts of sequences s_first + 1 .. s_first + lanes (only those < n can
+  // hold a token, so a counted s stays <= n - 1 even for bad cu_seqlens).
+  const i64 idx = s_first + 1 + tid;
+  const bool probed = idx < n;
+  const i64 start = probed ? seq_start(p, idx) : 0;
+  const bool beyond = !probed || start > last;
+  if (__ballot_sync(mask, beyond) != 0) {
+    for (int z = 0; z < count; ++z) {
+      const i64 t = first + z;
+      const unsigned before = __ballot_sync(mask, probed && start <= t);
+      if (tid == z % lanes)
+        seq_of_lane[z] = t <= last && t < end ? static_cast<int>(s_first + __popc(before)) : -1;
+    }
+    return;
+  }
+  const i64 s_last = warp_find_sequence(p, max(s_first, i64(0)), n, last, tid, lanes, mask);
   for (int z = tid; z < count; z += lanes) {
     const i64 t = first + z;
     i64 s = -1;

@@ -30,17 +30,13 @@
 
 namespace rope {
 
-// Element offsets of head j of a slab in its input and output.
-__device__ __forceinline__ void head_offsets(const Slab& sl, i64 j, i64& xo, i64& oo) {
-  if (sl.heads_per_group >= sl.n_heads) {
-    xo = j * sl.x.stride_head;
-    oo = j * sl.out.stride_head;
-  } else {  // packed QKV groups
-    const i64 g = static_cast<unsigned>(j) / static_cast<unsigned>(sl.heads_per_group);
-    const i64 jj = j - g * sl.heads_per_group;
-    xo = g * sl.x.stride_group + jj * sl.x.stride_head;
-    oo = g * sl.out.stride_group + jj * sl.out.stride_head;
-  }
+// Element offset of head j in a view: heads_per_group >= n_heads (grouped
+// false) for a plain head axis, else packed QKV groups of heads_per_group
+// heads. (Head counts are below 2^30: cupy_rope/launch.py checks.)
+__device__ __forceinline__ i64 head_offset(const View& v, int j, bool grouped, int per_group) {
+  if (!grouped) return static_cast<i64>(j) * v.stride_head;
+  const int g = static_cast<unsigned>(j) / static_cast<unsigned>(per_group);
+  return static_cast<i64>(g) * v.stride_group + static_cast<i64>(j - g * per_group) * v.stride_head;
 }
 
 // The slab of this block (block-uniform): slab k covers blockIdx.x from
@@ -89,7 +85,6 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
   const unsigned b = blockIdx.x - static_cast<unsigned>(sl.block_begin);
   const unsigned token_blocks = static_cast<unsigned>(sl.token_blocks);
   const unsigned group_u = b / token_blocks;
-  const i64 group = group_u;
   const i64 tb = b - group_u * token_blocks;
   const unsigned lanes = static_cast<unsigned>(sl.head_lanes);  // a power of two
   const unsigned mult = blockDim.y / lanes;
@@ -98,8 +93,37 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
   const int block_tokens = blockDim.z * mult;
 
   const i64 n_tokens = p.n_outer * p.n_inner;
-  const i64 first = tb * block_tokens;
+  const i64 first = tb * block_tokens;  // < n_tokens: blocks exist for tokens only
   const i64 token = first + token_lane;
+  const bool live = token < n_tokens;
+  const i64 tk = live ? token : first;  // lanes past the end address a real token
+  i64 outer;
+  if (n_tokens <= 0xffffffffll)  // block-uniform; 32-bit division is several times cheaper
+    outer = static_cast<unsigned>(tk) / static_cast<unsigned>(p.n_inner);
+  else
+    outer = tk / p.n_inner;
+  const i64 inner = tk - outer * p.n_inner;
+
+  const int item = threadIdx.x;
+  const int h_begin = group_u * static_cast<int>(sl.heads_per_block);
+  const int h_end = min(static_cast<int>(sl.n_heads), h_begin + static_cast<int>(sl.heads_per_block));
+  const int h_step = lanes;
+  const int h_first = h_begin + head_lane;
+  const bool grouped = sl.heads_per_group < sl.n_heads;
+  const int per_group = static_cast<int>(sl.heads_per_group);
+
+  const T* x = static_cast<const T*>(x_data) + outer * sl.x.stride_outer +
+               inner * sl.x.stride_inner;
+  T* out = static_cast<T*>(out_data) + outer * sl.out.stride_outer + inner * sl.out.stride_inner;
+  // Channel strides: 1 on the vector path (the launcher checked it).
+  const i64 xd = STRIDED ? sl.x.stride_dim : 1, od = STRIDED ? sl.out.stride_dim : 1;
+
+  // A rotating item's packets inside a head: channel STEP * f0, and for
+  // NeoX also channel HALF + f0.
+  const int f0 = item * PAIRS;
+  constexpr int STEP = INTERLEAVED ? 2 : 1;
+  const int ch[2] = {STEP * f0, f0 + HALF};
+
   i64 seq = 0;
   if constexpr (POS_MODE == VARLEN) {
     __shared__ int seq_of_lane[MAX_BLOCK_TOKENS];
@@ -108,26 +132,9 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
     __syncthreads();
     seq = seq_of_lane[token_lane];
   }
-  if (token >= n_tokens) return;
-  i64 outer;
-  if (n_tokens <= 0xffffffffll)  // block-uniform; 32-bit division is several times cheaper
-    outer = static_cast<unsigned>(token) / static_cast<unsigned>(p.n_inner);
-  else
-    outer = token / p.n_inner;
-  const i64 inner = token - outer * p.n_inner;
-
-  const int item = threadIdx.x;
-  const i64 h_begin = group * sl.heads_per_block;
-  const i64 h_end = min(sl.n_heads, h_begin + sl.heads_per_block);
-  const i64 h_step = lanes;
-
-  const T* x = static_cast<const T*>(x_data) + outer * sl.x.stride_outer +
-               inner * sl.x.stride_inner;
-  T* out = static_cast<T*>(out_data) + outer * sl.out.stride_outer + inner * sl.out.stride_inner;
-  const i64 xd = sl.x.stride_dim, od = sl.out.stride_dim;
+  if (!live) return;
 
   if (item < ROT_ITEMS) {
-    const int f0 = item * PAIRS;
     float c[PAIRS], s[PAIRS];
     auto find_angles = [&]() {
       if constexpr (POS_MODE == AXES) {
@@ -140,29 +147,24 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
         angles<SOURCE, AngleT, PAIRS, TABLE_STRIDED>(p, pos, valid, f0, c, s);
       }
     };
-
-    // This item's packets inside a head: channel STEP * f0, and for NeoX
-    // also channel HALF + f0.
-    constexpr int STEP = INTERLEAVED ? 2 : 1;
-    const i64 ch[2] = {STEP * f0, f0 + HALF};
     const bool rotate = sl.rotate != 0;
 
     // UNROLL heads per pass: all loads first, then rotate and store. The
     // angles are found after the first pass's loads are issued, so that
     // the position and table reads wait alongside them, not before them.
+    // (Issuing the first pass's loads before the VARLEN sequence search and
+    // its barrier was tried: it raised registers to the cap and lost 13%.)
     bool have_angles = false;
-    for (i64 h0 = h_begin + head_lane; h0 < h_end; h0 += h_step * UNROLL) {
-      i64 oo[UNROLL];
+    for (int h0 = h_first; h0 < h_end; h0 += h_step * UNROLL) {
       Packet<T, WIDTH> raw[UNROLL][PACKETS];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const i64 h = h0 + u * h_step;
+        const int h = h0 + u * h_step;
         if (h < h_end) {
-          i64 xo;
-          head_offsets(sl, h, xo, oo[u]);
+          const T* xh = x + head_offset(sl.x, h, grouped, per_group);
 #pragma unroll
           for (int q = 0; q < PACKETS; ++q)
-            raw[u][q] = load_raw<T, WIDTH, STRIDED>(x + xo + ch[q] * xd, xd);
+            raw[u][q] = load_raw<T, WIDTH, STRIDED>(xh + ch[q] * xd, xd);
         }
       }
       if (!have_angles && rotate) {
@@ -171,8 +173,9 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        if (h0 + u * h_step >= h_end) continue;
-        T* o = out + oo[u];
+        const int h = h0 + u * h_step;
+        if (h >= h_end) continue;
+        T* o = out + head_offset(sl.out, h, grouped, per_group);
         if (!rotate) {  // v of a fused QKV split
 #pragma unroll
           for (int q = 0; q < PACKETS; ++q)
@@ -204,21 +207,22 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
     }
   } else if constexpr (COPY_TAIL && TAIL > 0) {
     const i64 ch = ROTARY_DIM + static_cast<i64>(item - ROT_ITEMS) * TAIL_VEC;
-    for (i64 h0 = h_begin + head_lane; h0 < h_end; h0 += h_step * UNROLL) {
-      i64 oo[UNROLL];
+    for (int h0 = h_first; h0 < h_end; h0 += h_step * UNROLL) {
       Packet<T, TAIL_VEC> raw[UNROLL];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const i64 h = h0 + u * h_step;
-        if (h < h_end) {
-          i64 xo;
-          head_offsets(sl, h, xo, oo[u]);
-          raw[u] = load_raw<T, TAIL_VEC, STRIDED>(x + xo + ch * xd, xd);
-        }
+        const int h = h0 + u * h_step;
+        if (h < h_end)
+          raw[u] = load_raw<T, TAIL_VEC, STRIDED>(
+              x + head_offset(sl.x, h, grouped, per_group) + ch * xd, xd);
       }
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u)
-        if (h0 + u * h_step < h_end) store_raw<T, TAIL_VEC, STRIDED>(out + oo[u] + ch * od, od, raw[u]);
+      for (int u = 0; u < UNROLL; ++u) {
+        const int h = h0 + u * h_step;
+        if (h < h_end)
+          store_raw<T, TAIL_VEC, STRIDED>(out + head_offset(sl.out, h, grouped, per_group) + ch * od,
+                                          od, raw[u]);
+      }
     }
   }
 }

@@ -8,6 +8,7 @@ kernel, a ctypes cuLaunchKernel, and a trivial torch op, so the floor that
 any Python-launched kernel pays on this host is measured next to ours.
 """
 import ctypes
+import threading
 import time
 
 import cupy
@@ -118,3 +119,67 @@ for name, f in (("ours", call),
     torch.cuda.synchronize()
     show(f"graph replay per launch, {name}", a.elapsed_time(b) * 1e3 / 2000)
 print(f"decode grid {plan.dims}")
+
+# Cheaper ways to read torch metadata: unbound TensorBase methods/descriptors.
+TB = torch._C.TensorBase
+ub = dict(data_ptr=TB.data_ptr, stride=TB.stride, get_device=TB.get_device)
+shape_get, dtype_get = TB.shape.__get__, TB.dtype.__get__
+show("TensorBase.data_ptr(q)", per_call(lambda: ub["data_ptr"](q)))
+show("TensorBase.shape.__get__(q)", per_call(lambda: shape_get(q)))
+show("TensorBase.stride(q)", per_call(lambda: ub["stride"](q)))
+show("TensorBase.dtype.__get__(q)", per_call(lambda: dtype_get(q)))
+show("TensorBase.get_device(q)", per_call(lambda: ub["get_device"](q)))
+show("q.__dlpack_device__()", per_call(lambda: q.__dlpack_device__()))
+show("key3 (torch, as shipped)", per_call(lambda: interop.key3(type(q))(q, k, pos)))
+_dp, _st, _gd = TB.data_ptr, TB.stride, TB.get_device
+
+
+def key3_unbound(a, b, c):
+    da, db, dc = _gd(a), _gd(b), _gd(c)
+    if da < 0 or db < 0 or dc < 0:
+        return None
+    pa, pb, pc = _dp(a), _dp(b), _dp(c)
+    return ((dtype_get(a), shape_get(a), _st(a), da, pa & 15, dtype_get(b), shape_get(b), _st(b),
+             db, pb & 15, dtype_get(c), shape_get(c), _st(c), dc, pc & 15), pa, pb, pc)
+
+
+show("key3 (torch, unbound)", per_call(lambda: key3_unbound(q, k, pos)))
+kk = interop.key3(type(q))(q, k, pos)[0]
+dd = {kk: 1}
+show("fast dict lookup of the key", per_call(lambda: dd.get(kk)))
+lk = threading.Lock()
+
+
+def locked():
+    with lk:
+        pass
+
+
+show("with lock: pass", per_call(locked))
+from cupy_backends.cuda.api.runtime import getDevice  # noqa: E402
+show("runtime getDevice()", per_call(getDevice))
+
+# The bound decode path piece by piece, for both frameworks.
+from cupy_rope import launch as _launch  # noqa: E402
+
+for fw, rp, args in (("torch", rope, (q, k, pos)), ("cupy", rope_c, (qc, kc, pc))):
+    rp.qk_(*args)
+    key3 = interop.key3(type(args[0]))
+    got = key3(*args)
+    go = rp._fast[got[0]]
+    show(f"[{fw}] qk_ end to end", per_call(lambda: rp.qk_(*args)))
+    show(f"[{fw}] key3", per_call(lambda: key3(*args)))
+    show(f"[{fw}] fast.get(key)", per_call(lambda: rp._fast.get(got[0])))
+    show(f"[{fw}] go(...) (apart, stream, lock, pack, launch)",
+         per_call(lambda: go(got[1], got[2], got[3])))
+    show(f"[{fw}] stream getter", per_call(lambda: go.__globals__["stream_of"](0)))
+    real = driver.launchKernel
+    driver.launchKernel = lambda *a: None
+    try:
+        go_stub = _launch.bound_launcher(go.__globals__["plan"], [], {0: "q", 1: "k", 7: "p"}, {})
+    finally:
+        driver.launchKernel = real
+    show(f"[{fw}] go without the driver call (no overlap test)",
+         per_call(lambda: go_stub(got[1], got[2], got[3])))
+print("cupy get_current_stream().ptr", end=" ")
+show("", per_call(lambda: cupy.cuda.get_current_stream().ptr))

@@ -43,11 +43,12 @@ def bf16():
     return cupy.dtype(ml_dtypes.bfloat16)
 
 
-def variant(unroll, min_blocks, lanes=32, varlen_tokens=16, threads=256, defines=()):
+def variant(unroll, min_blocks, lanes=32, varlen_tokens=None, threads=256, defines=()):
     from cupy_rope import api, launch, specialize
     launch.UNROLL = unroll
     launch.MAX_HEAD_LANES = lanes
-    launch.VARLEN_MIN_TOKENS = varlen_tokens
+    if varlen_tokens is not None:
+        launch.VARLEN_MIN_TOKENS = launch.VARLEN_FEW_SEQS_MIN_TOKENS = varlen_tokens
     launch.THREADS_PER_BLOCK = threads
     specialize.NVRTC_OPTIONS = ("-std=c++17", f"-DROPE_MIN_BLOCKS_PER_SM={min_blocks}",
                                 *[f"-D{d}" for d in defines])
@@ -87,12 +88,114 @@ def partial_floor(cos, sin, rnd, d=128):
     del x
 
 
+def thd_probe():
+    """thd T=65536 h32 d128 bf16 out of place: where does varlen lose against bshd?"""
+    d, T = 128, 65536
+    inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
+    th = cupy.arange(T + 8, dtype=cupy.float32)[:, None] * inv
+    cos, sin = cupy.cos(th), cupy.sin(th)
+    rnd = lambda shape: cupy.random.standard_normal(shape, dtype=cupy.float32).astype(bf16())
+    x = [rnd((T, 32, d)) for _ in range(2)]
+    o = [cupy.empty_like(a) for a in x]
+    sets = list(zip(x, o))
+    t_copy = copy_us(x[0].nbytes)
+    rows = []
+    t = time_us(lambda a, b: cupy_rope.apply_rope(a[None], cos, sin, out=b[None]), sets)
+    rows.append(("bshd [1,T,32,128] implied", t))
+    rng = np.random.default_rng(0)
+    for n in (1, 128, 2401):
+        cuts = np.sort(rng.choice(np.arange(1, T), n - 1, replace=False)) if n > 1 else []
+        cu_h = np.concatenate([[0], cuts, [T]]).astype(np.int32)
+        cu = cupy.asarray(cu_h)
+        t = time_us(lambda a, b: cupy_rope.apply_rope(a, cos, sin, layout="thd", cu_seqlens=cu,
+                                                      out=b), sets)
+        rows.append((f"thd varlen n={n}", t))
+        pos = cupy.asarray(np.arange(T) - np.repeat(cu_h[:-1], np.diff(cu_h)), dtype=cupy.int32)
+        t = time_us(lambda a, b: cupy_rope.apply_rope(a, cos, sin, layout="thd", positions=pos,
+                                                      out=b), sets)
+        rows.append((f"thd explicit positions n={n}", t))
+        t = time_us(lambda a, b: cupy_rope.apply_rope(a, inv_freq=inv, layout="thd",
+                                                      cu_seqlens=cu, out=b), sets)
+        rows.append((f"thd varlen inv_freq n={n}", t))
+    for name, t in rows:
+        print(f"{name:40s} {t:9.1f} us  {t_copy / t:6.3f} of copy", flush=True)
+    kernel_attributes()
+
+
+def kernel_attributes():
+    """Registers and local memory (spills) of every kernel planned so far."""
+    from cupy.cuda import driver
+    from cupy_rope import api
+    seen = set()
+    for prepared in list(api._plans.values()):
+        plan = prepared.plan
+        if plan.kernel is None or plan.kernel in seen:
+            continue
+        seen.add(plan.kernel)
+        regs = driver.funcGetAttribute(4, plan.kernel)  # CU_FUNC_ATTRIBUTE_NUM_REGS
+        local = driver.funcGetAttribute(3, plan.kernel)  # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
+        sp = plan.spec
+        print(f"  {sp.pos_mode:8s} {sp.source:8s} unroll={sp.unroll} pairs={sp.pairs} "
+              f"grid={plan.grid[0]} block={plan.block}: {regs} registers, {local} B local",
+              flush=True)
+
+
+def small_probe():
+    """Workloads of 30-130 us, where the grid's last partial wave shows."""
+    rnd = lambda shape: cupy.random.standard_normal(shape, dtype=cupy.float32).astype(bf16())
+    d = 128
+    inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
+    th = cupy.arange(8192, dtype=cupy.float32)[:, None] * inv
+    cos, sin = cupy.cos(th), cupy.sin(th)
+    rows = []
+    for hd in (80, 96):
+        sets = [(rnd((2, 4096, 24, hd)), rnd((2, 4096, 24, hd))) for _ in range(3)]
+        sets = [s + (cupy.empty_like(s[0]), cupy.empty_like(s[1])) for s in sets]
+        t_copy = copy_us(2 * sets[0][0].nbytes)
+        cs, sn = cos[:, :hd // 2], sin[:, :hd // 2]
+        t = time_us(lambda q, k, oq, ok: cupy_rope.apply_rope_qk(q, k, cs, sn, out_q=oq,
+                                                                 out_k=ok), sets)
+        rows.append((f"diffusion d{hd}", t, t_copy / t))
+    sets = [(rnd((4, 4096, 32, d)), rnd((4, 4096, 8, d))) for _ in range(2)]
+    sets = [s + (cupy.empty_like(s[0]), cupy.empty_like(s[1])) for s in sets]
+    t_copy = copy_us(sets[0][0].nbytes + sets[0][1].nbytes)
+    t = time_us(lambda q, k, oq, ok: cupy_rope.apply_rope_qk(q, k, cos, sin, out_q=oq, out_k=ok),
+                sets)
+    rows.append(("prefill qk out=", t, t_copy / t))
+    sets = [(rnd((4, 4096, 32, d)),) for _ in range(3)]
+    t_copy = copy_us(sets[0][0].nbytes)
+    t = time_us(lambda x: cupy_rope.apply_rope(x, cos, sin, inplace=True), sets)
+    rows.append(("bshd [4,4096,32,128] in place", t, t_copy / t))
+    sets = [(rnd((1, 4096, 128, d)), rnd((1, 4096, 128, d))) for _ in range(3)]
+    t_copy = copy_us(sets[0][0].nbytes)
+    t = time_us(lambda x, o: cupy_rope.apply_rope(x.transpose(1, 0, 2, 3), cos, sin,
+                                                  out=o.transpose(1, 0, 2, 3), layout="sbhd"),
+                sets)
+    rows.append(("sbhd [4096,1,128,128]", t, t_copy / t))
+    sets = [(rnd((4, 4096, 32, d)), rnd((4, 4096, 32, d))) for _ in range(3)]
+    t_copy = copy_us(sets[0][0].nbytes)
+    import ml_dtypes  # noqa: F401
+    for name, kw in (("fp32 cos/sin", dict(cos=cos, sin=sin)),
+                     ("bf16 cos/sin", dict(cos=cos.astype(bf16()), sin=sin.astype(bf16()))),
+                     ("inv_freq", dict(inv_freq=inv))):
+        t = time_us(lambda x, o: cupy_rope.apply_rope(x, out=o, **kw), sets)
+        rows.append((f"bshd [4,4096,32,128] out= {name}", t, t_copy / t))
+    for name, t, f in rows:
+        print(f"{name:40s} {t:9.1f} us  {f:6.3f} of copy", flush=True)
+
+
 def main(host=True):
     d = 128
     inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
     th = cupy.arange(70000, dtype=cupy.float32)[:, None] * inv
     cos, sin = cupy.cos(th), cupy.sin(th)
     rows = []
+    if "--thd-probe" in sys.argv:
+        thd_probe()
+    if "--small-probe" in sys.argv:
+        small_probe()
+    if "--thd-probe" in sys.argv or "--small-probe" in sys.argv:
+        return
 
     def rnd(shape):
         return cupy.random.standard_normal(shape, dtype=cupy.float32).astype(bf16())
@@ -220,8 +323,10 @@ if __name__ == "__main__":
             name, _, rest = spec.partition(":")
             settings = dict(kv.partition("=")[::2] for kv in filter(None, rest.split(",")))
             # UNROLL and MINB (blocks per SM in __launch_bounds__) recompile the kernels.
+            # D=NAME+NAME: preprocessor macros for the kernels.
             variant(int(settings.pop("UNROLL", 4)), int(settings.pop("MINB", 2)),
-                    lanes=defaults["MAX_HEAD_LANES"])
+                    lanes=defaults["MAX_HEAD_LANES"],
+                    defines=tuple(filter(None, settings.pop("D", "").split("+"))))
             for a, v in defaults.items():
                 setattr(launch, a, v)
             for a, v in settings.items():

@@ -137,6 +137,30 @@ def test_thd_blocks_smaller_than_a_warp(rng, tokens, d):
                  "float32")
 
 
+@pytest.mark.parametrize("h,d", [(1, 8), (4, 64), (32, 128)])
+def test_thd_many_sequence_starts_in_one_block(rng, h, d):
+    """Blocks spanning more sequence starts than a warp has lanes (runs of
+    empty and one-token sequences) take the per-lane search; the others
+    the one-probe count. Both must give every token its own sequence."""
+    runs = [3, *[0] * 40, *[1] * 20, *[0] * 70, 5, *[1] * 33, 0, 2, *[1] * 90, 0, 0, 17,
+            *[0] * 33, *[1] * 64, 7]
+    lengths = np.array(runs * 3)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    x = rng.standard_normal((int(cu[-1]), h, d)).astype(np.float32)
+    inv_freq = inv_freq_for(rng, d)
+    pos = np.concatenate([np.arange(n) for n in lengths])
+    offsets = rng.integers(0, 50, len(lengths)).astype(np.int32)
+    pos_off = pos + np.repeat(offsets, lengths)
+    for with_offsets in (False, True):
+        kw = {"offsets": to_device(offsets)} if with_offsets else {}
+        out = full_nan(x.shape, "float32")
+        cupy_rope.apply_rope(to_device(x), inv_freq=to_device(inv_freq), layout="thd",
+                             cu_seqlens=to_device(cu), out=out, **kw)
+        p = pos_off if with_offsets else pos
+        assert_close(to_host(out), expected(x[None], p[None], inv_freq, d, False, False)[0],
+                     "float32", f"offsets={with_offsets}")
+
+
 def test_thd_device_cu_seqlens_past_the_tokens_give_nan(rng):
     """A device cu_seqlens that covers fewer tokens than x: NaN, no stray access."""
     x = rng.standard_normal((10, 2, 16)).astype(np.float32)

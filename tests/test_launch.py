@@ -1,0 +1,153 @@
+"""Launch policy and the generated decode launcher, on the CPU (no kernel runs)."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+import types
+
+import pytest
+
+from cupy_rope import launch
+
+cupy = pytest.importorskip("cupy")
+
+
+def fake_plan(slots, empty=False):
+    calls = []
+    plan = types.SimpleNamespace(
+        slots=slots, dims=(80, 1, 1, 8, 8, 4), empty=empty, stream=lambda dev: 777,
+        device_id=0, buf=ctypes.create_string_buffer(launch.PARAMS_SIZE), kernel=4242,
+        launch=lambda ptrs, offset: calls.append(("general", ptrs)))
+    return plan, calls
+
+
+@pytest.fixture
+def driver_calls(monkeypatch):
+    """Replace the CUDA launch and current-device query the launcher binds."""
+    from cupy.cuda import driver
+    from cupy_backends.cuda.api import runtime
+
+    calls = []
+    current = {"device": 0}
+    monkeypatch.setattr(driver, "launchKernel", lambda *a: calls.append(a))
+    monkeypatch.setattr(runtime, "getDevice", lambda: current["device"])
+    return calls, current
+
+
+# q (index 0) and k (1) written in place; cos|sin cache (6) and positions (7) read.
+SLOTS = [(0, 0), (1, 0), (-1, 0), (0, 0), (1, 0), (-1, 0), (6, 0), (6, 256), (7, 0), (-1, 0),
+         (-1, 0)]
+PAIRS = [(0, (0, 1000), None, 1, (0, 500), None), (0, (0, 1000), None, 6, (0, 4096), None),
+         (0, (0, 1000), None, 7, (0, 64), None), (1, (0, 500), None, 6, (0, 4096), None),
+         (1, (0, 500), None, 7, (0, 64), None)]
+CACHE = 1 << 20
+
+
+def make(plan):
+    return launch.bound_launcher(plan, PAIRS, {0: "q", 1: "k", 7: "positions"},
+                                 {2: 0, 3: 0, 4: 0, 5: 0, 6: CACHE})
+
+
+def test_bound_launcher_packs_pointers_and_launches(driver_calls):
+    calls, _ = driver_calls
+    plan, general = fake_plan(SLOTS)
+    plan.buf[:launch._DYNAMIC.size] = b"\xff" * launch._DYNAMIC.size  # stale values
+    plan.buf[launch._DYNAMIC.size:] = bytes(range(256)) * 2 + bytes(range(launch._FIXED.size - 512))
+    go = make(plan)
+    q, k, pos = 1 << 24, 2 << 24, 3 << 24
+    assert go(q, k, pos) is True
+    (buf, args_addr, _), = go.__globals__["buffers"].values()  # this thread's parameters
+    assert calls == [(4242, 80, 1, 1, 8, 8, 4, 0, 777, args_addr, 0)] and not general
+    packed = struct.unpack_from("<11Qq", buf, 0)
+    assert packed == (q, k, 0, q, k, 0, CACHE, CACHE + 256, pos, 0, 0, 0)
+    assert buf.raw[launch._DYNAMIC.size:] == plan.buf.raw[launch._DYNAMIC.size:]  # fixed part
+    assert ctypes.c_void_p.from_address(args_addr).value == ctypes.addressof(buf)
+
+
+def test_bound_launcher_threads_pack_their_own_parameters(monkeypatch):
+    """Concurrent calls: the parameters the driver reads during a launch are
+    the calling thread's (the fake driver yields the GIL mid-launch, as
+    the real one releases it)."""
+    import time
+
+    from cupy.cuda import driver
+    from cupy_backends.cuda.api import runtime
+
+    seen = []
+
+    def fake_launch(*a):
+        params = ctypes.c_void_p.from_address(a[9]).value
+        first = ctypes.c_uint64.from_address(params).value
+        time.sleep(1e-4)  # let other threads pack
+        seen.append((first, ctypes.c_uint64.from_address(params).value))
+
+    monkeypatch.setattr(driver, "launchKernel", fake_launch)
+    monkeypatch.setattr(runtime, "getDevice", lambda: 0)
+    plan, _ = fake_plan(SLOTS)
+    go = make(plan)
+    start = threading.Barrier(6)
+
+    def worker(i):
+        start.wait()
+        for n in range(50):
+            q = ((i * 1000 + n) * 4 + 8) << 24
+            go(q, q + (1 << 24), q + (2 << 24))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wrong = [(a, b) for a, b in seen if a != b]
+    assert len(seen) == 300 and not wrong
+
+
+@pytest.mark.parametrize("q,k,pos", [
+    (1 << 24, (1 << 24) + 999, 3 << 24),    # k starts inside q
+    (CACHE + 4000, 2 << 24, 3 << 24),      # q overlaps the cache's last bytes
+    (1 << 24, 2 << 24, (2 << 24) + 400),   # positions inside k
+    (CACHE - 999, 2 << 24, 3 << 24),       # q's span reaches into the cache
+])
+def test_bound_launcher_refuses_overlap_without_launching(driver_calls, q, k, pos):
+    calls, _ = driver_calls
+    plan, general = fake_plan(SLOTS)
+    go = make(plan)
+    assert go(q, k, pos) is False
+    assert not calls and not general and not go.__globals__["buffers"]
+
+
+def test_bound_launcher_other_device_takes_the_general_launch(driver_calls):
+    calls, current = driver_calls
+    current["device"] = 1
+    plan, general = fake_plan(SLOTS)
+    q, k, pos = 1 << 24, 2 << 24, 3 << 24
+    assert make(plan)(q, k, pos) is True
+    assert not calls
+    assert general == [("general", [q, k, 0, 0, 0, 0, CACHE, pos])]
+
+
+def test_bound_launcher_empty_plan_launches_nothing(driver_calls):
+    calls, _ = driver_calls
+    plan, general = fake_plan(SLOTS, empty=True)
+    assert make(plan)(1 << 24, 2 << 24, 3 << 24) is True
+    assert not calls and not general
+
+
+def test_varlen_tokens_per_block_follow_the_search_depth():
+    assert launch._varlen_min_tokens(1) == launch.VARLEN_FEW_SEQS_MIN_TOKENS
+    assert launch._varlen_min_tokens(launch.VARLEN_FEW_SEQS) == launch.VARLEN_FEW_SEQS_MIN_TOKENS
+    assert launch._varlen_min_tokens(launch.VARLEN_FEW_SEQS + 1) == launch.VARLEN_MIN_TOKENS
+
+
+def test_too_many_heads_is_refused_before_launch():
+    from cupy_rope.interop import CUDA, Tensor
+    from cupy_rope.validate import check_call
+
+    heads = launch.MAX_HEADS
+    x = Tensor(None, "cupy", 1 << 40, (1, heads, 2), (2 * heads, 2, 1), "float32", (CUDA, 0), False)
+    inv = Tensor(None, "cupy", 1 << 41, (1,), (1,), "float32", (CUDA, 0), False)
+    call = check_call(x, layout="thd", inv_freq=inv, inplace=True)
+    with pytest.raises(ValueError, match=r"x: 1073741824 heads per token"):
+        launch.choose_spec(call)
