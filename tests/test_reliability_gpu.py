@@ -335,7 +335,72 @@ def test_input_on_a_non_current_device(rng, framework):
                 y = xd.copy()
         cupy_rope.apply_rope(y, inv_freq=invd, inplace=True)
         assert_close(to_host(y), want, "float32", "in place on device 1")
+    # The bound decode step on device 1: its cached launcher sees device 0
+    # current and takes the general launch there.
+    qh = rng.standard_normal((50, 4, d)).astype(np.float32)
+    kh = rng.standard_normal((50, 2, d)).astype(np.float32)
+    pos = rng.integers(0, 1000, 50)
+    want_q, want_k = (reference.rotate(
+        a.astype(np.float64)[None],
+        *[f(pos[:, None] * inv.astype(np.float64))[None] for f in (np.cos, np.sin)], d,
+        False)[0] for a in (qh, kh))
+    rope = cupy_rope.RotaryEmbedding(inv_freq=invd, layout="thd")
+
+    def put(a):
+        if framework == "torch":
+            return torch.from_numpy(a).to("cuda:1")
+        with cupy.cuda.Device(1):
+            return cupy.asarray(a)
+    pos_d = put(pos.astype(np.int64))
+    for _ in range(3):
+        q1, k1 = put(qh), put(kh)
+        rope.qk_(q1, k1, pos_d)
+        assert_close(to_host(q1), want_q, "float32", f"{framework} qk_ q on device 1")
+        assert_close(to_host(k1), want_k, "float32", f"{framework} qk_ k on device 1")
+    assert len(rope._fast) == 1
     assert torch.cuda.current_device() == 0
+    assert cupy.cuda.runtime.getDevice() == 0
+
+
+def test_cupy_stream_of_the_input_device_is_used(rng):
+    """CuPy input on device 1 while device 0 is current: the launch follows
+    device 1's current stream, kept busy by a spin kernel before the input
+    is copied on it (a launch on another stream would rotate too early),
+    for apply_rope and for the bound decode step (planned, then cached)."""
+    _two_devices()
+    import cupy
+
+    with cupy.cuda.Device(1):
+        spin = cupy.RawKernel(SPIN, "spin")
+        x = cupy.asarray(rng.standard_normal((4, 256, 16, 64)).astype(np.float16))
+        inv = cupy.asarray(inv_freq_np(64))
+        want = to_host(cupy_rope.apply_rope(x, inv_freq=inv))
+        q = x[:, :, :8].reshape(-1, 8, 64).copy()
+        k = x[:, :, 8:].reshape(-1, 8, 64).copy()
+        pos = cupy.arange(q.shape[0], dtype=cupy.int32) % 256
+        side = cupy.cuda.Stream(non_blocking=True)
+        cupy.cuda.Device(1).synchronize()
+    rope = cupy_rope.RotaryEmbedding(inv_freq=inv, layout="thd")
+    try:
+        for step in range(3):
+            with cupy.cuda.Device(1):
+                side.use()
+                spin((1,), (1,), (np.int64(20_000_000),))
+                y, q2, k2 = x.copy(), q.copy(), k.copy()  # on `side`, after the spin
+            cupy.cuda.Device(0).use()
+            assert cupy.cuda.get_current_stream(1) == side
+            if step == 0:
+                cupy_rope.apply_rope(y, inv_freq=inv, inplace=True)
+            rope.qk_(q2, k2, pos)
+            side.synchronize()
+            if step == 0:
+                assert np.array_equal(bits(to_host(y)), bits(want))
+            assert_close(to_host(q2).reshape(4, 256, 8, 64), want[:, :, :8], "float16", "qk_ q")
+            assert_close(to_host(k2).reshape(4, 256, 8, 64), want[:, :, 8:], "float16", "qk_ k")
+        assert len(rope._fast) == 1
+    finally:
+        with cupy.cuda.Device(1):
+            cupy.cuda.Stream.null.use()
     assert cupy.cuda.runtime.getDevice() == 0
 
 
