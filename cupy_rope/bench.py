@@ -50,6 +50,8 @@ ROOFLINE_MIN_BYTES = 64 * MiB
 CHECK_TOLERANCE = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 1e-4}
 #: Sizes of the host-cost microbenchmark.
 HOST_CALLS = 2000
+#: Timed passes of HOST_CALLS calls each; the median pass is reported (and the range).
+HOST_REPEATS = 5
 GRAPH_CALLS = 100
 NO_TORCH = "torch not available"
 
@@ -787,20 +789,44 @@ def run(workloads=None, *, peers="all", reps=30, n_sets=3, warmup=5, check=True,
 # Host cost of a cached call.
 
 
+def _time_host(out, name, fn, calls, label=None, repeats=None):
+    """Time ``fn`` on the host: a warm-up, then ``repeats`` passes of ``calls``
+    calls with one synchronization each; out[name + "_us_per_call"] is the
+    median pass, out[name + "_us_per_call_runs"] every pass."""
+    repeats = repeats or HOST_REPEATS
+    for _ in range(max(50, calls // 10)):
+        fn()
+    _sync()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync()
+        runs.append((time.perf_counter() - t0) / calls * 1e6)
+    out[f"{name}_us_per_call"] = statistics.median(runs)
+    out[f"{name}_us_per_call_runs"] = runs
+    _log(f"host: {label or name} {statistics.median(runs):.2f} us per call (median of "
+         f"{repeats} passes of {calls}; {min(runs):.2f}-{max(runs):.2f})")
+
+
 def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=20,
                   peer_objs=()) -> dict:
     """Microseconds per call of a cached decode step (q32/k8 d128, 64 tokens,
     bf16, ``apply_rope_qk`` in place at positions [64] into an fp32 cos|sin
     cache): ``calls`` calls timed on the host, one synchronization at the end,
-    with torch tensors and with CuPy arrays; and the per-call GPU time of
+    ``HOST_REPEATS`` such passes after a warm-up, the median pass reported
+    (``*_runs`` holds every pass), with torch tensors and with CuPy arrays;
+    and the per-call GPU time of
     ``graph_calls`` calls captured in a torch CUDA graph and replayed. For
     context, ``peer_objs`` get the same host-timed loop (their own calls on
-    the same workload, ``calls / 4`` of them)."""
+    the same workload, passes of ``calls / 4``)."""
     import cupy_rope as cr
 
     env = env or _Env()
     w = select_workloads(["decode-qk-t64"])[0]
-    out = {"workload": w.title, "calls": calls, "graph_calls": graph_calls}
+    out = {"workload": w.title, "calls": calls, "repeats": HOST_REPEATS,
+           "graph_calls": graph_calls}
     for fw in ("torch", "cupy"):
         out[f"{fw}_us_per_call"] = None
         if fw == "torch" and env.torch is None:
@@ -812,30 +838,13 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
             kw = _decode_kwargs(form, ctx)
             q, k = _decode_views(form, env.randn(w.shape, w.dtype, fw),
                                  env.randn(w.k_shape, w.dtype, fw))
-            f = cr.apply_rope_qk
-            for _ in range(50):
-                f(q, k, **kw)
-            _sync()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                f(q, k, **kw)
-            _sync()
-            out[f"{fw}_us_per_call"] = (time.perf_counter() - t0) / calls * 1e6
-            _log(f"host: {fw} {out[f'{fw}_us_per_call']:.2f} us per call")
+            _time_host(out, f"{fw}", lambda: cr.apply_rope_qk(q, k, **kw), calls)
             if form == "thd-cache" and hasattr(cr, "RotaryEmbedding"):
                 # The bound form: tables and options given once, q, k, positions per call.
                 rope = cr.RotaryEmbedding(cos_sin_cache=ctx.cache, layout="thd")
                 pos = kw["positions"]
-                for _ in range(50):
-                    rope.qk_(q, k, pos)
-                _sync()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    rope.qk_(q, k, pos)
-                _sync()
-                out[f"{fw}_bound_us_per_call"] = (time.perf_counter() - t0) / calls * 1e6
-                _log(f"host: {fw} RotaryEmbedding.qk_ "
-                     f"{out[f'{fw}_bound_us_per_call']:.2f} us per call")
+                _time_host(out, f"{fw}_bound", lambda: rope.qk_(q, k, pos), calls,
+                           "RotaryEmbedding.qk_")
         except Exception as exc:  # noqa: BLE001
             out[f"{fw}_error"] = f"{exc.__class__.__name__}: {exc}"
             _log(f"host: {fw} failed: {out[f'{fw}_error']}")
@@ -848,15 +857,9 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
                 continue
             args = prep.make_args(make_set(w, env))
             fn = prep.call[False]
-            for _ in range(20):
-                fn(*args)
-            _sync()
-            n = max(1, calls // 4)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn(*args)
-            _sync()
-            out["peers_us_per_call"][p.name] = (time.perf_counter() - t0) / n * 1e6
+            timed: dict = {}
+            _time_host(timed, p.name, lambda: fn(*args), max(1, calls // 4))
+            out["peers_us_per_call"][p.name] = timed[f"{p.name}_us_per_call"]
         except Exception as exc:  # noqa: BLE001
             _log(f"host: peer {p.name} failed: {exc.__class__.__name__}: {exc}")
     out["graph_us_per_call"] = None
@@ -1118,7 +1121,8 @@ def format_host(host) -> str:
     gs = (f"{g:.2f} us per call (wall {host.get('graph_wall_us_per_call', 0):.2f})"
           if g is not None else f"failed ({host.get('graph_error', '?')})")
     text = (f"host cost, {host['workload']} (call form: {host.get('form', '?')}):\n"
-            f"  end to end per call, {host['calls']} calls: " + ", ".join(parts) + "\n"
+            f"  end to end per call, median of {host.get('repeats', 1)} passes of "
+            f"{host['calls']} calls: " + ", ".join(parts) + "\n"
             f"  CUDA graph of {host['graph_calls']} calls, replayed: {gs}")
     if host.get("peers_us_per_call"):
         text += "\n  peers, end to end per call (torch): " + ", ".join(

@@ -193,10 +193,10 @@ def describe(x, name: str) -> Tensor:
                       x.dtype.name, (CPU, 0), not x.flags.writeable)
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         kind = "jax" if mod in ("jax", "jaxlib") else "dlpack"
-        dev_type, _ = x.__dlpack_device__()
+        dev_type, dev_id = x.__dlpack_device__()
         stream = None
         if int(dev_type) in (_DL_CUDA, _DL_CUDA_MANAGED):
-            stream = cupy_stream()
+            stream = cupy_stream(int(dev_id))  # the consumer's stream on the array's device
             if stream == 0:  # DLPack spells the legacy default stream 1
                 stream = 1
         try:

@@ -149,8 +149,9 @@ def choose_spec(call: Call) -> Spec:
     # of copy; docs/perf-notes.md).
     max_heads = max(sl.heads for sl in call.slabs)
     if max_heads >= MAX_HEADS:
-        raise ValueError(f"x: {max_heads} heads per token; at most {MAX_HEADS - 1} are supported "
-                         "(the kernel counts heads in 32 bits)")
+        name = ("x", "k", "v")[[sl.heads for sl in call.slabs].index(max_heads)]
+        raise ValueError(f"{name}: {max_heads} heads per token; at most {MAX_HEADS - 1} are "
+                         "supported (the kernel counts heads in 32 bits)")
     unroll = 1 if max_heads < UNROLL else UNROLL
     spec = Spec(call.dtype, tables[0].dtype, d, r, call.interleaved, call.source, pairs,
                 tail_vec, strided, table_strided, copy_tail, unroll, call.pos_mode)
@@ -467,9 +468,15 @@ def bound_launcher(plan: Plan, pairs, args: dict, consts: dict):
         mine = own_buffer()
     pack(mine[0], 0, {ptrs}, 0)
     if get_device() == dev:
-        launch_kernel(kernel, {", ".join(map(str, plan.dims))}, 0, stream, mine[1], 0)
-        return True
-    plan.launch([{slow}], 0)  # another device is current: the general launch
+        try:
+            launch_kernel(kernel, {", ".join(map(str, plan.dims))}, 0, stream, mine[1], 0)
+            return True
+        except Exception as exc:  # a thread without a CUDA context yet
+            if "INVALID_CONTEXT" not in str(exc):
+                raise
+    # Another device is current, or this thread has no context: the general
+    # launch makes the plan's device current for the call.
+    plan.launch([{slow}], 0)
     return True
 """
     from cupy.cuda import driver

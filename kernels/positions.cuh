@@ -65,7 +65,7 @@ __device__ __forceinline__ i64 warp_find_sequence(const Params& p, i64 lo, i64 h
     const unsigned votes = __ballot_sync(mask, ok);
     if (first_step && votes == 0) return lo - 1;  // seq_start(lo) > t
     first_step = false;
-    const int last = 31 - __clz(votes);  // votes != 0: lane 0 is set
+    const int last = 31 - __clz(votes);  // votes != 0 (monotonic cu_seqlens: lane 0 is set)
     const i64 new_lo = lo + last * step;
     hi = min(hi, new_lo + step);
     lo = new_lo;
@@ -80,10 +80,11 @@ __device__ __forceinline__ i64 warp_find_sequence(const Params& p, i64 lo, i64 h
 // sequence s0 of `first`, then reads the starts of the next `lanes`
 // sequences at once (one per lane). When those reach past `last` (a block
 // spans fewer than `lanes` sequence starts: the usual case), the sequence of
-// token t is s0 plus the number of those starts <= t, counted with a ballot:
-// two dependent loads after s0's search. Otherwise each lane searches the
-// range [s0, s_last] for its tokens. Called by every thread of the block; a
-// barrier follows.
+// token t is s0 plus the number of those starts <= t, which each lane finds
+// for its tokens by a binary search over the lanes' starts (shuffles): two
+// dependent loads after s0's search. Otherwise each lane searches the range
+// [s0, s_last] of cu_seqlens for its tokens. Called by every thread of the
+// block; a barrier follows.
 __device__ __forceinline__ void find_block_sequences(const Params& p, i64 first, i64 last,
                                                      int count, int* seq_of_lane) {
   const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
@@ -100,20 +101,42 @@ __device__ __forceinline__ void find_block_sequences(const Params& p, i64 first,
   const i64 start = probed ? seq_start(p, idx) : 0;
   const bool beyond = !probed || start > last;
   if (__ballot_sync(mask, beyond) != 0) {
-    for (int z = 0; z < count; ++z) {
+    // The sequence of token t is s_first plus the number of probed starts
+    // <= t: each lane finds that count for its tokens with a binary search
+    // over the lanes' starts (6 shuffle steps cover 0..32). Only probes of
+    // sequences < n can count, so s <= n - 1 even for bad cu_seqlens.
+    const i64 n_valid = min(max(n - 1 - s_first, i64(0)), static_cast<i64>(lanes));
+    const i64 probe = probed ? start : 0x7fffffffffffffffll;
+    for (int z0 = 0; z0 < count; z0 += lanes) {  // the same trips on every lane
+      const int z = z0 + tid;
       const i64 t = first + z;
-      const unsigned before = __ballot_sync(mask, probed && start <= t);
-      if (tid == z % lanes)
-        seq_of_lane[z] = t <= last && t < end ? static_cast<int>(s_first + __popc(before)) : -1;
+      int lo = 0, hi = lanes;
+#pragma unroll
+      for (int it = 0; it < 6; ++it) {
+        const int mid = (lo + hi) >> 1;
+        const i64 v = __shfl_sync(mask, probe, min(mid, lanes - 1));
+        if (lo < hi) {
+          if (v <= t) lo = mid + 1; else hi = mid;
+        }
+      }
+      if (z < count)
+        seq_of_lane[z] = t <= last && t < end
+                             ? static_cast<int>(s_first + min(static_cast<i64>(lo), n_valid))
+                             : -1;
     }
     return;
   }
-  const i64 s_last = warp_find_sequence(p, max(s_first, i64(0)), n, last, tid, lanes, mask);
+  // More than `lanes` sequences start in this block (runs of empty
+  // sequences): search [max(s_first, 0), s_last] per token. (s_first is -1
+  // when the block starts before seq_start(0), possible only for device
+  // cu_seqlens with cu_seqlens[0] > 0.)
+  const i64 s_lo = max(s_first, i64(0));
+  const i64 s_last = warp_find_sequence(p, s_lo, n, last, tid, lanes, mask);
   for (int z = tid; z < count; z += lanes) {
     const i64 t = first + z;
     i64 s = -1;
-    if (t <= last && t < end && s_first >= 0) {
-      i64 lo = s_first, hi = s_last + 1;  // seq_start(lo) <= t
+    if (t <= last && t < end && seq_start(p, s_lo) <= t) {
+      i64 lo = s_lo, hi = s_last + 1;  // seq_start(lo) <= t
       while (hi - lo > 1) {
         const i64 mid = (lo + hi) / 2;
         if (seq_start(p, mid) <= t) lo = mid; else hi = mid;

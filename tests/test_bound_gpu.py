@@ -160,3 +160,54 @@ def test_cached_plan_does_not_accept_options_validation_refuses(rng):
     with pytest.raises(TypeError, match="inplace"):
         cupy_rope.apply_rope(x, cos, sin, rotary_dim=32, inplace=1)
     assert torch.equal(x, before)
+
+
+def test_bound_fast_path_in_a_new_thread_and_planned_once(rng, monkeypatch):
+    """A cached qk_ called from a thread that has no CUDA context yet still
+    launches (the general launch makes the context current); repeated calls,
+    including ones whose q and k spans interleave (the general path's finer
+    overlap test), build the generated launcher once."""
+    torch = pytest.importorskip("torch")
+    import threading
+
+    from cupy_rope import launch
+
+    built = []
+    real = launch.bound_launcher
+    monkeypatch.setattr(launch, "bound_launcher", lambda *a: built.append(1) or real(*a))
+    _, cos, sin = tables(64, 300)
+    rope = cupy_rope.RotaryEmbedding(cos_sin_cache=torch.from_numpy(
+        np.concatenate([cos, sin], 1)).cuda(), layout="thd")
+    q0 = torch.randn(40, 4, 64, device="cuda")
+    k0 = torch.randn(40, 2, 64, device="cuda")
+    pos = torch.randint(0, 300, (40,), device="cuda")
+    want = cupy_rope.apply_rope_qk(q0, k0, cos_sin_cache=rope._tables[4], positions=pos,
+                                   layout="thd")
+    for _ in range(3):
+        q, k = q0.clone(), k0.clone()
+        rope.qk_(q, k, pos)
+    assert len(built) == 1
+    got, errors = [], []
+
+    def step():
+        try:
+            q, k = q0.clone(), k0.clone()
+            rope.qk_(q, k, pos)
+            torch.cuda.synchronize()
+            got.append((q, k))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    for _ in range(2):
+        th = threading.Thread(target=step)
+        th.start()
+        th.join()
+    assert not errors and len(got) == 2 and len(built) == 1
+    for q, k in got:
+        same((q, k), want)
+    # q and k as interleaved views of one buffer: spans overlap, lattices do not.
+    buf = torch.randn(40, 2, 6, 64, device="cuda")
+    qi, ki = buf[:, 0, :4], buf[:, 1, :2]
+    for _ in range(3):
+        rope.qk_(qi, ki, pos)
+    assert len(built) == 2

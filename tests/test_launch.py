@@ -128,6 +128,28 @@ def test_bound_launcher_other_device_takes_the_general_launch(driver_calls):
     assert general == [("general", [q, k, 0, 0, 0, 0, CACHE, pos])]
 
 
+def test_bound_launcher_thread_without_context_takes_the_general_launch(monkeypatch):
+    from cupy.cuda import driver
+    from cupy_backends.cuda.api import runtime
+
+    def no_context(*a):
+        raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT: invalid device context")
+
+    monkeypatch.setattr(driver, "launchKernel", no_context)
+    monkeypatch.setattr(runtime, "getDevice", lambda: 0)
+    plan, general = fake_plan(SLOTS)
+    q, k, pos = 1 << 24, 2 << 24, 3 << 24
+    assert make(plan)(q, k, pos) is True
+    assert general == [("general", [q, k, 0, 0, 0, 0, CACHE, pos])]
+
+    def other_error(*a):
+        raise RuntimeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
+
+    monkeypatch.setattr(driver, "launchKernel", other_error)
+    with pytest.raises(RuntimeError, match="OUT_OF_RESOURCES"):
+        make(plan)(q, k, pos)
+
+
 def test_bound_launcher_empty_plan_launches_nothing(driver_calls):
     calls, _ = driver_calls
     plan, general = fake_plan(SLOTS, empty=True)
@@ -151,3 +173,6 @@ def test_too_many_heads_is_refused_before_launch():
     call = check_call(x, layout="thd", inv_freq=inv, inplace=True)
     with pytest.raises(ValueError, match=r"x: 1073741824 heads per token"):
         launch.choose_spec(call)
+    heads -= 1  # the largest accepted
+    x = Tensor(None, "cupy", 1 << 40, (1, heads, 2), (2 * heads, 2, 1), "float32", (CUDA, 0), False)
+    assert launch.choose_spec(check_call(x, layout="thd", inv_freq=inv, inplace=True)).unroll == 4

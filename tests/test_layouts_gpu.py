@@ -170,6 +170,25 @@ def test_thd_device_cu_seqlens_past_the_tokens_give_nan(rng):
     assert not np.isnan(y[:7]).any() and np.isnan(y[7:]).all()
 
 
+@pytest.mark.parametrize("cu", [[3, 3, 8], [3] * 34 + [8], [3] * 34 + [11], [0]],
+                         ids=["probe", "search", "search-long", "no-sequences"])
+def test_thd_device_cu_seqlens_starting_after_token_0(rng, cu):
+    """Device cu_seqlens with cu_seqlens[0] > 0 (the host refuses them): the
+    tokens before it get NaN, the others their own positions, whether the
+    block counts the probed starts or searches (over 32 starts in a block)."""
+    t = max(cu[-1], 5)
+    x = rng.standard_normal((t, 1, 16)).astype(np.float32)
+    inv = inv_freq_for(rng, 16)
+    y = to_host(cupy_rope.apply_rope(to_device(x), inv_freq=to_device(inv), layout="thd",
+                                     cu_seqlens=to_device(np.array(cu, np.int32))))
+    covered = np.arange(t) >= cu[0]
+    covered &= np.arange(t) < cu[-1]
+    assert np.isnan(y[~covered]).all()
+    pos = np.arange(t)[covered] - cu[0]  # one non-empty sequence, starting at cu[0]
+    assert_close(y[covered], expected(x[covered][None], pos[None], inv, 16, False, False)[0],
+                 "float32")
+
+
 def test_thd_device_cu_seqlens_not_splitting_for_cp_give_nan(rng):
     """cp_size=2 with device cu_seqlens whose first length (6) is not a multiple
     of 2 * cp_size: that sequence's tokens (and the next ones, now misaligned)
