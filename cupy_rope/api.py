@@ -167,6 +167,27 @@ def _execute(op, head, tables, tail, options, offsets, make_kwargs, bound=None, 
     return result
 
 
+def option_kwargs(kw: dict, layout="bshd", interleaved=False, rotary_dim=None, head_dim=None,
+                   cp_size=1, cp_rank=0, sections=None, sections_interleaved=False) -> dict:
+    """Add the layout options that differ from the defaults to ``kw`` (the
+    framework adapters build library calls with it); returns ``kw``."""
+    if layout != "bshd":
+        kw["layout"] = layout
+    if interleaved:
+        kw["interleaved"] = True
+    if rotary_dim is not None:
+        kw["rotary_dim"] = int(rotary_dim)
+    if head_dim is not None:
+        kw["head_dim"] = int(head_dim)
+    if cp_size != 1 or cp_rank != 0:
+        kw["cp_size"], kw["cp_rank"] = int(cp_size), int(cp_rank)
+    if sections is not None:
+        kw["sections"] = tuple(int(v) for v in sections)
+    if sections_interleaved:
+        kw["sections_interleaved"] = True
+    return kw
+
+
 _TABLE_NAMES = ("cos", "sin", "inv_freq", "freqs", "cos_sin_cache")
 
 

@@ -1006,51 +1006,39 @@ def acceptance(result) -> list:
                        ("FAIL" if fails else "PASS"),
                        "; ".join(details) or "needs two or more thd workloads", fails))
 
-    what = "partial rotary in place <= (fraction + 0.1) x full rotary time"
-    fails, details = [], []
-    for n, w in wdefs.items():
-        if w["mode"] != "inplace" or w["rotary_frac"] >= 1.0:
-            continue
-        twins = [m for m, v in wdefs.items() if v["mode"] == "inplace" and v["rotary_frac"] == 1.0
-                 and v["shape"] == w["shape"] and v["dtype"] == w["dtype"]
-                 and v["layout"] == w["layout"] and v["kind"] == w["kind"]]
-        if not twins:
-            continue
-        for d in ("fwd", "bwd"):
-            tp, tf = t(n, d), t(twins[0], d)
-            if tp is None or tf is None:
-                fails.append(f"{n} {d}: missing or failed rows")
+    def against_twin(item, what, is_row, twin_keys, twin_is, limit, label, empty):
+        """Each row's time over its twin's (the same workload but for
+        ``twin_is``) must stay within ``limit(w)``."""
+        fails, details = [], []
+        for n, w in wdefs.items():
+            if not is_row(w):
                 continue
-            limit = w["rotary_frac"] + 0.1
-            details.append(f"{n} {d} {tp / tf:.3f} (<= {limit:.2f})")
-            if tp > limit * tf:
-                fails.append(f"{n} {d}: {tp:.1f} us vs full {tf:.1f} us, ratio {tp / tf:.3f}")
-    items.append(_item("3", what, "SKIP" if not (details or fails) else
-                       ("FAIL" if fails else "PASS"),
-                       "; ".join(details) or "needs partial and full in-place rows", fails))
+            twins = [m for m, v in wdefs.items()
+                     if twin_is(v) and all(v[k] == w[k] for k in twin_keys)]
+            if not twins:
+                continue
+            for d in ("fwd", "bwd"):
+                tr, tt = t(n, d), t(twins[0], d)
+                if tr is None or tt is None:
+                    fails.append(f"{n} {d}: missing or failed rows")
+                    continue
+                details.append(label(n, d, tr / tt, limit(w)))
+                if tr > limit(w) * tt:
+                    fails.append(f"{n} {d}: {tr:.1f} us vs {tt:.1f} us, ratio {tr / tt:.3f}")
+        items.append(_item(item, what, "SKIP" if not (details or fails) else
+                           ("FAIL" if fails else "PASS"), "; ".join(details) or empty, fails))
 
-    what = "strided input within 5% of its contiguous twin"
-    fails, details = [], []
-    for n, w in wdefs.items():
-        if not w["strided"]:
-            continue
-        twins = [m for m, v in wdefs.items() if not v["strided"] and v["shape"] == w["shape"]
-                 and v["dtype"] == w["dtype"] and v["layout"] == w["layout"]
-                 and v["mode"] == w["mode"] and v["kind"] == w["kind"]
-                 and v["rotary_frac"] == w["rotary_frac"]]
-        if not twins:
-            continue
-        for d in ("fwd", "bwd"):
-            ts, tc = t(n, d), t(twins[0], d)
-            if ts is None or tc is None:
-                fails.append(f"{n} {d}: missing or failed rows")
-                continue
-            details.append(f"{d} {ts / tc:.3f}")
-            if ts > 1.05 * tc:
-                fails.append(f"{n} {d}: {ts:.1f} us vs {tc:.1f} us")
-    items.append(_item("4", what, "SKIP" if not (details or fails) else
-                       ("FAIL" if fails else "PASS"),
-                       "; ".join(details) or "needs a strided row and its twin", fails))
+    against_twin(
+        "3", "partial rotary in place <= (fraction + 0.1) x full rotary time",
+        lambda w: w["mode"] == "inplace" and w["rotary_frac"] < 1.0,
+        ("mode", "shape", "dtype", "layout", "kind"), lambda v: v["rotary_frac"] == 1.0,
+        lambda w: w["rotary_frac"] + 0.1,
+        lambda n, d, r, lim: f"{n} {d} {r:.3f} (<= {lim:.2f})",
+        "needs partial and full in-place rows")
+    against_twin(
+        "4", "strided input within 5% of its contiguous twin", lambda w: w["strided"],
+        ("shape", "dtype", "layout", "mode", "kind", "rotary_frac"), lambda v: not v["strided"],
+        lambda w: 1.05, lambda n, d, r, lim: f"{d} {r:.3f}", "needs a strided row and its twin")
 
     host = result.get("host")
     what = ("decode 64 tokens, end to end per call <= 8 us (torch and CuPy; the bound "

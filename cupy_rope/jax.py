@@ -121,21 +121,9 @@ def _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens, layout, 
             continue
         names.append(name)
         arrays.append(jnp.asarray(v))
-    if layout != "bshd":
-        kw["layout"] = layout
-    if interleaved:
-        kw["interleaved"] = True
-    if rotary_dim is not None:
-        kw["rotary_dim"] = int(rotary_dim)
-    if head_dim is not None:
-        kw["head_dim"] = int(head_dim)
-    if cp_size != 1 or cp_rank != 0:
-        kw["cp_size"], kw["cp_rank"] = int(cp_size), int(cp_rank)
     sections, sections_interleaved = _static_sections(sections, sections_interleaved)
-    if sections is not None:
-        kw["sections"] = sections
-    if sections_interleaved:
-        kw["sections_interleaved"] = True
+    api.option_kwargs(kw, layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank, sections,
+                      sections_interleaved)
     return _Static(tuple(names), tuple(sorted(kw.items()))), tuple(arrays)
 
 

@@ -29,6 +29,7 @@ launch. A peer that cannot express a workload without extra copies answers
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any, Callable
 
 
@@ -205,18 +206,23 @@ class TorchCompile(TorchFormula):
         return self._cache[which]
 
 
+def _torch_and(module: str):
+    """None when torch sees a CUDA device and ``module`` imports, else why not."""
+    reason = TorchFormula().available()
+    if reason:
+        return reason
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001
+        return f"{module.partition('.')[0]} not importable ({exc.__class__.__name__}: {exc})"
+    return None
+
+
 class Liger(Peer):
     name = "liger"
 
     def available(self):
-        reason = TorchFormula().available()
-        if reason:
-            return reason
-        try:
-            from liger_kernel.ops import rope  # noqa: F401
-        except Exception as exc:  # noqa: BLE001
-            return f"liger_kernel not importable ({exc.__class__.__name__}: {exc})"
-        return None
+        return _torch_and("liger_kernel.ops.rope")
 
     def version(self):
         try:
@@ -298,13 +304,9 @@ class FlashInfer(Peer):
     name = "flashinfer"
 
     def available(self):
-        reason = TorchFormula().available()
+        reason = _torch_and("flashinfer")
         if reason:
             return reason
-        try:
-            import flashinfer  # noqa: F401
-        except Exception as exc:  # noqa: BLE001
-            return f"flashinfer not importable ({exc.__class__.__name__})"
         if self._fn() is None:
             return "flashinfer has no apply_rope_with_cos_sin_cache_inplace"
         return None

@@ -80,21 +80,8 @@ def _library_kwargs(tensors, offset, layout, interleaved, rotary_dim, head_dim, 
     kw = {n: t for n, t in zip(_ANGLE_NAMES, tensors) if t is not None}
     if "offsets" not in kw and offset:
         kw["offsets"] = int(offset)
-    if layout != "bshd":
-        kw["layout"] = layout
-    if interleaved:
-        kw["interleaved"] = True
-    if rotary_dim is not None:
-        kw["rotary_dim"] = int(rotary_dim)
-    if head_dim is not None:
-        kw["head_dim"] = int(head_dim)
-    if cp_size != 1 or cp_rank != 0:
-        kw["cp_size"], kw["cp_rank"] = int(cp_size), int(cp_rank)
-    if sections is not None:
-        kw["sections"] = tuple(int(v) for v in sections)
-    if sections_interleaved:
-        kw["sections_interleaved"] = True
-    return kw
+    return api.option_kwargs(kw, layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank,
+                             sections, sections_interleaved)
 
 
 @functools.lru_cache(maxsize=None)
