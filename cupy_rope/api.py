@@ -474,6 +474,15 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_si
              sections_interleaved=sections_interleaved))
 
 
+def _qkv_outputs(out_q, out_k, out_v):
+    """(the three outputs, the ``out`` argument for validation: all three or None)."""
+    outs = (out_q, out_k, out_v)
+    given = [o is not None for o in outs]
+    if any(given) and not all(given):
+        raise ValueError("out_q, out_k, out_v: pass all three outputs, or none")
+    return outs, outs if given[0] else None
+
+
 def apply_rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=None,
                    packing="concat", inv_freq=None, freqs=None, cos_sin_cache=None,
                    positions=None, offsets=None, layout="bshd", interleaved=False,
@@ -497,10 +506,7 @@ def apply_rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_d
     out_k, out_v), each contiguous. q and k are rotated as by
     :func:`apply_rope` (same angle and position arguments); v is copied.
     """
-    outs = (out_q, out_k, out_v)
-    given = [o is not None for o in outs]
-    if any(given) and not all(given):
-        raise ValueError("out_q, out_k, out_v: pass all three outputs, or none")
+    outs, out = _qkv_outputs(out_q, out_k, out_v)
     return _execute(
         "qkv", (qkv,), (cos, sin, inv_freq, freqs, cos_sin_cache), (positions, cu_seqlens) + outs,
         (layout, interleaved, rotary_dim, backward, cp_size, cp_rank, head_dim, num_q_heads,
@@ -509,7 +515,7 @@ def apply_rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_d
         lambda: dict(qkv=qkv, cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs,
              cos_sin_cache=cos_sin_cache, positions=positions, layout=layout,
              interleaved=interleaved, rotary_dim=rotary_dim, backward=backward,
-             out=outs if all(given) else None, cu_seqlens=cu_seqlens, cp_size=cp_size,
+             out=out, cu_seqlens=cu_seqlens, cp_size=cp_size,
              cp_rank=cp_rank, head_dim=head_dim, num_q_heads=num_q_heads,
              num_kv_heads=num_kv_heads, packing=packing, sections=sections,
              sections_interleaved=sections_interleaved))
@@ -589,7 +595,7 @@ class RotaryEmbedding:
     re-pointed in place (``resize_``, ``set_``): make a new object instead.
     """
 
-    __slots__ = ("_tables", "_bound", "_fixed", "_layout", "_head_dim", "_fast", "_qk_options")
+    __slots__ = ("_tables", "_bound", "_fixed", "_fast", "_qk_options")
 
     def __init__(self, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cache=None,
                  layout="bshd", interleaved=False, rotary_dim=None, head_dim=None, cp_size=1,
@@ -609,13 +615,12 @@ class RotaryEmbedding:
         self._fixed = dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
                            head_dim=head_dim, cp_size=cp_size, cp_rank=cp_rank,
                            sections=sections, sections_interleaved=sections_interleaved)
-        self._layout, self._head_dim = layout, head_dim
         # qk_'s own plans, keyed by the q, k, positions signatures alone.
         self._fast = {} if signed else None
         self._qk_options = self._options(True, False)
 
     def _angles(self) -> dict:
-        return dict(zip(("cos", "sin", "inv_freq", "freqs", "cos_sin_cache"), self._tables))
+        return dict(zip(_TABLE_NAMES, self._tables))
 
     def _options(self, *front, tail=()):
         f = self._fixed
@@ -689,18 +694,12 @@ class RotaryEmbedding:
             packing="concat", out_q=None, out_k=None, out_v=None, backward=False,
             cu_seqlens=None):
         """:func:`apply_rope_qkv` with the bound angles and options."""
-        outs = (out_q, out_k, out_v)
-        given = [o is not None for o in outs]
-        if any(given) and not all(given):
-            raise ValueError("out_q, out_k, out_v: pass all three outputs, or none")
-        f = self._fixed
+        outs, out = _qkv_outputs(out_q, out_k, out_v)
         return _execute(
             "qkv", (qkv,), self._tables, (positions, cu_seqlens) + outs,
-            (f["layout"], f["interleaved"], f["rotary_dim"], backward, f["cp_size"],
-             f["cp_rank"], f["head_dim"], num_q_heads, num_kv_heads, packing,
-             _key_sections(f["sections"]), f["sections_interleaved"]), offsets,
+            self._options(backward, tail=(num_q_heads, num_kv_heads, packing)), offsets,
             lambda: dict(qkv=qkv, **self._angles(), positions=positions, backward=backward,
-                         out=outs if all(given) else None, cu_seqlens=cu_seqlens,
+                         out=out, cu_seqlens=cu_seqlens,
                          num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, packing=packing,
                          **self._fixed),
             self._bound)
@@ -709,7 +708,7 @@ class RotaryEmbedding:
                      out=None, cu_seqlens=None):
         """:func:`apply_rope_qkv_backward` with the bound angles and options."""
         f = self._fixed
-        layout, head_dim = self._layout, self._head_dim
+        layout, head_dim = f["layout"], f["head_dim"]
         return _execute(
             "qkv_backward", (dq, dk, dv), self._tables, (positions, cu_seqlens, out),
             self._options(tail=(packing,)), offsets,

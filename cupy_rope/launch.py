@@ -415,6 +415,15 @@ def disjoint_pairs(call: Call, arrays: list, out_indices) -> list:
     return pairs
 
 
+def _apart_expr(pairs, ref) -> str:
+    """One boolean expression: every pair's byte spans are apart, with
+    ``ref(i)`` the source text of array i's pointer ("True" for no pairs)."""
+    return " and ".join(
+        f"({ref(j)} + {int(sj[1])} <= {ref(i)} + {int(si[0])} or "
+        f"{ref(i)} + {int(si[1])} <= {ref(j)} + {int(sj[0])})"
+        for i, si, _, j, sj, _ in pairs) or "True"
+
+
 def spans_apart(pairs):
     """A function ptrs -> True when every pair's byte spans are apart.
 
@@ -422,20 +431,17 @@ def spans_apart(pairs):
     fixed list of pairs, generated as one expression (no loop): this runs on
     every cached call. False means "maybe overlapping": ask check_disjoint.
     """
-    if not pairs:
-        return lambda ptrs: True
-    terms = [f"(p[{int(j)}] + {int(sj[1])} <= p[{int(i)}] + {int(si[0])} or "
-             f"p[{int(i)}] + {int(si[1])} <= p[{int(j)}] + {int(sj[0])})"
-             for i, si, _, j, sj, _ in pairs]
-    return eval("lambda p: " + " and ".join(terms))  # noqa: S307 - integers and indices only
+    expr = _apart_expr(pairs, lambda i: f"p[{int(i)}]")
+    return eval("lambda p: " + expr)  # noqa: S307 - integers and indices only
 
 
 def bound_launcher(plan: Plan, pairs, args: dict, consts: dict):
     """A function of a few named per-call pointers that launches ``plan``.
 
     ``args`` maps array indices (as in the plan's pointer list) to parameter
-    names (the function's parameters, in that order), ``consts`` maps the other indices to fixed pointers (a
-    RotaryEmbedding's tables; 0 for absent arrays). The function tests
+    names (the function's parameters, in that order), ``consts`` maps the
+    other indices to fixed pointers (a RotaryEmbedding's tables; 0 for
+    absent arrays). The function tests
     ``pairs`` apart (as :func:`spans_apart`) and returns False without
     launching if they may overlap; otherwise it packs the data pointers
     (scalar offset 0) into the calling thread's copy of the plan's
@@ -450,10 +456,7 @@ def bound_launcher(plan: Plan, pairs, args: dict, consts: dict):
             return f"({args[i]} + {int(byte_offset)})" if byte_offset else args[i]
         return str(int(consts.get(i, 0)) + int(byte_offset) if i >= 0 else 0)
 
-    apart = " and ".join(
-        f"({ref(j)} + {int(sj[1])} <= {ref(i)} + {int(si[0])} or "
-        f"{ref(i)} + {int(si[1])} <= {ref(j)} + {int(sj[0])})"
-        for i, si, _, j, sj, _ in pairs) or "True"
+    apart = _apart_expr(pairs, ref)
     ptrs = ", ".join(ref(i, off) for i, off in plan.slots)
     n_slots = max([*args, *consts]) + 1
     slow = ", ".join(ref(i) for i in range(n_slots))
