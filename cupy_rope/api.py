@@ -31,6 +31,7 @@ launch plan: only the data pointers are read and the kernel is launched.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -95,7 +96,7 @@ def _sig_of(a):
     return key[0] if key else None
 
 
-def _execute(op, head, tables, tail, options, offsets, make_kwargs, bound=None, memo=None):
+def _execute(op, head, tables, tail, options, offsets, make_kwargs, bound=None, remember=None):
     """The hot path: look the call's signature up, else validate and plan.
 
     The op's array arguments (None where absent) come in three parts:
@@ -103,8 +104,8 @@ def _execute(op, head, tables, tail, options, offsets, make_kwargs, bound=None, 
     freqs, cos_sin_cache) and ``tail`` (positions, cu_seqlens, outputs).
     The key is the op, its options and every array's signature. ``bound``
     (a :class:`RotaryEmbedding`'s signed tables) replaces signing the tables;
-    ``memo`` (dict, key, table pointers) receives a launcher for the plan of
-    a call whose arrays all have distinct pointers (RotaryEmbedding.qk_).
+    ``remember(prepared)`` is called with the prepared plan of a call whose
+    arrays all have distinct pointers (RotaryEmbedding.qk_ keeps a launcher).
     """
     if offsets is None:
         offset = 0
@@ -145,25 +146,25 @@ def _execute(op, head, tables, tail, options, offsets, make_kwargs, bound=None, 
         if len(set(nonzero)) != len(nonzero):
             # Arrays sharing a pointer (out=x, cos is sin, q is k): a plan of its own.
             key.append(_alias_pattern(ptrs))
-            memo = None
+            remember = None
         key = tuple(key)
         try:
             prepared = _plans.get(key)
         except TypeError:  # an unhashable option: validation will say what is wrong
-            prepared = key = memo = None
+            prepared = key = remember = None
         if prepared is not None:
             result = prepared.run(arrays, ptrs, offset)
             if result is not NotImplemented:
-                if memo is not None:
-                    RotaryEmbedding._remember(*memo, prepared)
+                if remember is not None:
+                    remember(prepared)
                 return result
     if bound is not None:
         _check_bound_tables(tables, bound[0])
     result = _slow(op, arrays, make_kwargs(), offsets, key)
-    if memo is not None and key is not None:
+    if remember is not None and key is not None:
         prepared = _plans.get(key)
         if prepared is not None:
-            RotaryEmbedding._remember(*memo, prepared)
+            remember(prepared)
     return result
 
 
@@ -659,7 +660,7 @@ class RotaryEmbedding:
         checks that the written arrays overlap nothing, and launches.
         """
         fast = self._fast
-        memo = None
+        remember = None
         cls = type(q)
         if fast is not None and type(k) is cls and type(positions) is cls:
             key3 = _KEY3.get(cls) or interop.key3(cls)
@@ -671,12 +672,12 @@ class RotaryEmbedding:
                 if go is not None and go(got[1], got[2], got[3]):
                     return q, k
                 if go is None and len(fast) < 256:
-                    memo = (fast, got[0], self._bound[1])
+                    remember = functools.partial(self._remember, fast, got[0], self._bound[1])
         return _execute(
             "qk", (q, k), self._tables, (positions, None, None, None), self._qk_options, None,
             lambda: dict(x=q, k=k, **self._angles(), positions=positions, inplace=True,
                          **self._fixed),
-            self._bound, memo)
+            self._bound, remember)
 
     @staticmethod
     def _remember(fast, key, table_ptrs, prepared):

@@ -152,7 +152,15 @@ def choose_spec(call: Call) -> Spec:
         name = ("x", "k", "v")[[sl.heads for sl in call.slabs].index(max_heads)]
         raise ValueError(f"{name}: {max_heads} heads per token; at most {MAX_HEADS - 1} are "
                          "supported (the kernel counts heads in 32 bits)")
-    unroll = 1 if max_heads < UNROLL else UNROLL
+    # In place with rotary_dim < head_dim only part of each head row is read
+    # and written (rotary 32 of 128: 64 of every 256 bytes). One head per
+    # thread keeps each warp on consecutive heads of a token, which brings
+    # the partial call down to the floor of that access pattern (bshd [4,
+    # 4096, 32, 128] bf16 in place on the H100, rotary 32: 45.0 -> 39.8 us,
+    # a load/store-only kernel on the same bytes 39.2 us; rotary 64: 54.9 ->
+    # 54.1 us; docs/perf-notes.md).
+    partial_in_place = call.inplace and r < d
+    unroll = 1 if max_heads < UNROLL or partial_in_place else UNROLL
     spec = Spec(call.dtype, tables[0].dtype, d, r, call.interleaved, call.source, pairs,
                 tail_vec, strided, table_strided, copy_tail, unroll, call.pos_mode)
     if spec.rot_items + spec.tail_items > THREADS_PER_BLOCK:
@@ -298,8 +306,8 @@ class Plan:
     the one check that depends on pointer values, redone on every call.
     """
 
-    __slots__ = ("spec", "kernel", "grid", "block", "buf", "args", "args_addr", "lock", "slots",
-                 "pick", "device_id", "stream", "empty", "dims")
+    __slots__ = ("spec", "kernel", "grid", "block", "buf", "buffers", "slots", "pick",
+                 "device_id", "stream", "empty", "dims")
 
     def __init__(self, call: Call, arrays: list):
         self.device_id = call.device[1]
@@ -311,11 +319,10 @@ class Plan:
             _varlen_min_tokens(call.n_seqs) if call.pos_mode == VARLEN else 1)
         self.dims = (*self.grid, *self.block)
         self.kernel = None if self.empty else get_kernel(spec, self.device_id).ptr
-        self.buf = ctypes.create_string_buffer(PARAMS_SIZE)
-        self.buf[_DYNAMIC.size:PARAMS_SIZE] = fixed_params(call, slab_blocks)
-        self.args = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
-        self.args_addr = ctypes.addressof(self.args)
-        self.lock = threading.Lock()
+        # The parameters with the dynamic fields zero; each launching thread
+        # packs its pointers into its own copy (see own_buffer).
+        self.buf = bytes(_DYNAMIC.size) + fixed_params(call, slab_blocks)
+        self.buffers: dict = {}
 
         def slot(t, byte_offset=0):
             if t is None:
@@ -341,6 +348,18 @@ class Plan:
         else:
             self.stream = interop.cupy_stream_getter()
 
+    def own_buffer(self):
+        """The calling thread's (parameter buffer, address of the kernel's
+        argument array), made on its first launch. No lock: the driver reads
+        the parameters during the launch call, which releases the GIL, so
+        threads must not share a buffer."""
+        entry = self.buffers.get(threading.get_ident())
+        if entry is None:
+            buf = ctypes.create_string_buffer(self.buf, PARAMS_SIZE)
+            args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+            entry = self.buffers[threading.get_ident()] = (buf, ctypes.addressof(args), args)
+        return entry
+
     def launch(self, ptrs: list, offset: int) -> None:
         """Launch with these per-array data pointers (``ptrs[i]`` of array i)."""
         if self.empty:
@@ -352,20 +371,20 @@ class Plan:
             vals = [ptrs[i] + off for i, off in self.slots]
         dev = self.device_id
         stream = self.stream(dev)
-        with self.lock:
-            _pack_dynamic(self.buf, 0, *vals, offset)
-            if _get_device() == dev:
-                try:
-                    _launch_kernel(self.kernel, *self.dims, 0, stream, self.args_addr, 0)
-                    return
-                except Exception as exc:  # a thread without a CUDA context yet
-                    if "INVALID_CONTEXT" not in str(exc):
-                        raise
-            import cupy
+        buf, args_addr, _ = self.own_buffer()
+        _pack_dynamic(buf, 0, *vals, offset)
+        if _get_device() == dev:
+            try:
+                _launch_kernel(self.kernel, *self.dims, 0, stream, args_addr, 0)
+                return
+            except Exception as exc:  # a thread without a CUDA context yet
+                if "INVALID_CONTEXT" not in str(exc):
+                    raise
+        import cupy
 
-            with cupy.cuda.Device(dev):  # makes the device's context current
-                cupy.cuda.runtime.setDevice(dev)
-                _launch_kernel(self.kernel, *self.dims, 0, stream, self.args_addr, 0)
+        with cupy.cuda.Device(dev):  # makes the device's context current
+            cupy.cuda.runtime.setDevice(dev)
+            _launch_kernel(self.kernel, *self.dims, 0, stream, args_addr, 0)
 
 
 def _get_device():
@@ -468,7 +487,7 @@ def bound_launcher(plan: Plan, pairs, args: dict, consts: dict):
     stream = stream_of(dev)
     mine = buffers.get(ident())
     if mine is None:
-        mine = own_buffer()
+        mine = plan.own_buffer()
     pack(mine[0], 0, {ptrs}, 0)
     if get_device() == dev:
         try:
@@ -485,19 +504,9 @@ def bound_launcher(plan: Plan, pairs, args: dict, consts: dict):
     from cupy.cuda import driver
     from cupy_backends.cuda.api.runtime import getDevice
 
-    # Each thread packs its own copy of the parameters (no lock: the driver
-    # reads them during the launch call, which releases the GIL).
-    buffers: dict = {}
-    params = bytes(plan.buf)
-
-    def own_buffer():
-        buf = ctypes.create_string_buffer(params, PARAMS_SIZE)
-        args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
-        entry = buffers[threading.get_ident()] = (buf, ctypes.addressof(args), args)
-        return entry
-
-    env = dict(empty=plan.empty, stream_of=plan.stream, dev=plan.device_id, buffers=buffers,
-               ident=threading.get_ident, own_buffer=own_buffer, pack=_pack_dynamic,
+    # Each thread packs its own copy of the parameters (Plan.own_buffer).
+    env = dict(empty=plan.empty, stream_of=plan.stream, dev=plan.device_id, buffers=plan.buffers,
+               ident=threading.get_ident, pack=_pack_dynamic,
                get_device=getDevice, kernel=plan.kernel, launch_kernel=driver.launchKernel,
                plan=plan)
     exec(src, env)  # noqa: S102 - integers, indices and fixed names only

@@ -43,7 +43,7 @@ template <typename AngleT, int PAIRS, bool TABLE_STRIDED>
 __device__ __forceinline__ void load_row(const void* base, i64 offset, i64 col_stride,
                                          float (&v)[PAIRS]) {
   const AngleT* p = static_cast<const AngleT*>(base) + offset;
-  load<AngleT, PAIRS, TABLE_STRIDED>(p, col_stride, v);
+  to_floats(load_reused<AngleT, PAIRS, TABLE_STRIDED>(p, col_stride), v);
 }
 
 // cos and sin of the angles of frequencies [f0, f0 + PAIRS) at position pos.

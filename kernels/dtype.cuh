@@ -76,6 +76,42 @@ __device__ __forceinline__ Packet<T, N> load_raw(const T* p, i64 stride) {
   }
 }
 
+// Load for data that other threads and blocks read again (cos/sin and
+// inv_freq rows): contiguous packets go as 4/8/16-byte loads with an L2
+// evict-last policy, so that the streamed q/k data passing through L2 does
+// not push the reused rows out before their next reader (bshd [4, 4096, 32,
+// 128] bf16 with fp32 tables on the H100: 0.954 -> 0.977 of copy;
+// docs/perf-notes.md). Other packets load as load_raw does.
+template <typename T, int N, bool STRIDED = false>
+__device__ __forceinline__ Packet<T, N> load_reused(const T* p, i64 stride) {
+  constexpr int BYTES = static_cast<int>(sizeof(Packet<T, N>));
+  constexpr int CHUNK = BYTES >= 16 ? 16 : BYTES;
+#if __CUDA_ARCH__ >= 800
+  if constexpr (!STRIDED && CHUNK >= 4 && BYTES % CHUNK == 0) {
+    Packet<T, N> pk;
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    unsigned* w = reinterpret_cast<unsigned*>(&pk);
+    const char* b = reinterpret_cast<const char*>(p);
+#pragma unroll
+    for (int i = 0; i < BYTES / CHUNK; ++i) {
+      unsigned* c = w + i * (CHUNK / 4);
+      if constexpr (CHUNK == 16)
+        asm("ld.global.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+            : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3]) : "l"(b + i * CHUNK), "l"(policy));
+      else if constexpr (CHUNK == 8)
+        asm("ld.global.L2::cache_hint.v2.u32 {%0,%1}, [%2], %3;"
+            : "=r"(c[0]), "=r"(c[1]) : "l"(b + i * CHUNK), "l"(policy));
+      else
+        asm("ld.global.L2::cache_hint.u32 %0, [%1], %2;"
+            : "=r"(c[0]) : "l"(b + i * CHUNK), "l"(policy));
+    }
+    return pk;
+  }
+#endif
+  return load_raw<T, N, STRIDED>(p, stride);
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void to_floats(const Packet<T, N>& pk, float (&out)[N]) {
 #pragma unroll

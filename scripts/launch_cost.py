@@ -72,8 +72,9 @@ plan = api._plans[key].plan
 stream = interop.torch_stream(0)
 from cupy.cuda import driver  # noqa: E402
 
+args = plan.own_buffer()[1]  # this thread's parameters
 show("driver.launchKernel, our Params",
-     per_call(lambda: driver.launchKernel(plan.kernel, *plan.dims, 0, stream, plan.args_addr, 0)))
+     per_call(lambda: driver.launchKernel(plan.kernel, *plan.dims, 0, stream, args, 0)))
 empty = cupy.RawKernel('extern "C" __global__ void nothing() {}', "nothing")
 empty.compile()
 fn = empty.kernel.ptr
@@ -83,12 +84,11 @@ show("driver.launchKernel, empty kernel, grid 1",
                                           ctypes.addressof(no_args), 0)))
 show("driver.launchKernel, our kernel, grid 1",
      per_call(lambda: driver.launchKernel(plan.kernel, 1, 1, 1, *plan.dims[3:], 0, stream,
-                                          plan.args_addr, 0)))
+                                          args, 0)))
 libcuda = ctypes.CDLL("libcuda.so.1")
 launch = libcuda.cuLaunchKernel
 launch.restype = ctypes.c_int
 launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-args = plan.args_addr
 dims = plan.dims
 show("ctypes cuLaunchKernel, our Params",
      per_call(lambda: launch(plan.kernel, *dims, 0, stream, args, None)))

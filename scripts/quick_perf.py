@@ -81,6 +81,20 @@ def partial_floor(cos, sin, rnd, d=128):
     for per_head in (2, 8, 16):
         t = time_us(lambda a: run_touch(a, per_head), [(x,)])
         print(f"touch kernel, {per_head * 16} of 256 bytes per head in place: {t:.1f} us")
+    # Does the L2 fetch granularity (a device-wide limit; probe only) set the floor?
+    rt = cupy.cuda.runtime
+    limit = rt.cudaLimitMaxL2FetchGranularity
+    default = rt.deviceGetLimit(limit)
+    for g in (32, 64, 128):
+        rt.deviceSetLimit(limit, g)
+        got = rt.deviceGetLimit(limit)
+        t4 = time_us(run_touch, [(x,)])
+        tp = time_us(lambda a: cupy_rope.apply_rope(a, cos[:, :16], sin[:, :16],
+                                                    rotary_dim=32, inplace=True), [(x,)])
+        print(f"L2 fetch granularity {g} (reads back {got}): touch 64 of 256 B {t4:.1f} us, "
+              f"partial 0.25 {tp:.1f} us = {tp / t_full:.3f} of full")
+    rt.deviceSetLimit(limit, default)
+    print(f"default L2 fetch granularity: {default}")
     t_copy = copy_us(x.nbytes // 4)
     print(f"partial 0.25 in place: {t_part:.1f} us = {t_part / t_full:.3f} of full "
           f"({t_full:.1f} us); touch-only kernel on the same bytes {t_touch:.1f} us = "
@@ -246,6 +260,21 @@ def main(host=True):
                 q, k, cs, sn, out_q=oq, out_k=ok, backward=bwd), sets2)
             rows.append((f"diffusion d{hd} bwd={bwd}", t, t_copy / t))
         del sets, sets2, outs
+    # bshd [4,4096,32,128] in place: full and partial rotary; a strided (bhsd) view
+    shape = (4, 4096, 32, d)
+    sets = [(rnd(shape),) for _ in range(2)]
+    t_copy = copy_us(sets[0][0].nbytes)
+    t_full = None
+    for r in (d, d // 2, d // 4):
+        t = time_us(lambda x: cupy_rope.apply_rope(x, cos[:, :r // 2], sin[:, :r // 2],
+                                                   rotary_dim=r, inplace=True), sets)
+        t_full = t_full or t
+        rows.append((f"in place rotary {r}/{d} ({t / t_full:.3f} of full)", t,
+                     t_copy * r / d / t))
+    sets = [(rnd((4, 32, 4096, d)).transpose(0, 2, 1, 3), rnd(shape)) for _ in range(2)]
+    t = time_us(lambda x, o: cupy_rope.apply_rope(x, cos, sin, out=o), sets)
+    rows.append(("bshd view of bhsd, out=", t, t_copy / t))
+    del sets
     # thd T=65536 h32 across n_seqs
     T = 65536
     x = [rnd((T, 32, d)) for _ in range(2)]
@@ -300,9 +329,10 @@ def main(host=True):
     launch.Plan.launch = real
     from cupy.cuda import driver
     stream = cupy.cuda.get_current_stream().ptr
+    args = plan.own_buffer()[1]
     t0 = time.perf_counter()
     for _ in range(n):
-        driver.launchKernel(plan.kernel, *plan.dims, 0, stream, plan.args_addr, 0)
+        driver.launchKernel(plan.kernel, *plan.dims, 0, stream, args, 0)
     cupy.cuda.Device().synchronize()
     print(f"  bare driver.launchKernel: {(time.perf_counter() - t0) / n * 1e6:.2f} us")
     if "--profile" in sys.argv:

@@ -18,8 +18,9 @@ def fake_plan(slots, empty=False):
     calls = []
     plan = types.SimpleNamespace(
         slots=slots, dims=(80, 1, 1, 8, 8, 4), empty=empty, stream=lambda dev: 777,
-        device_id=0, buf=ctypes.create_string_buffer(launch.PARAMS_SIZE), kernel=4242,
+        device_id=0, buf=bytes(launch.PARAMS_SIZE), buffers={}, kernel=4242, pick=None,
         launch=lambda ptrs, offset: calls.append(("general", ptrs)))
+    plan.own_buffer = lambda: launch.Plan.own_buffer(plan)
     return plan, calls
 
 
@@ -53,8 +54,8 @@ def make(plan):
 def test_bound_launcher_packs_pointers_and_launches(driver_calls):
     calls, _ = driver_calls
     plan, general = fake_plan(SLOTS)
-    plan.buf[:launch._DYNAMIC.size] = b"\xff" * launch._DYNAMIC.size  # stale values
-    plan.buf[launch._DYNAMIC.size:] = bytes(range(256)) * 2 + bytes(range(launch._FIXED.size - 512))
+    plan.buf = (b"\xff" * launch._DYNAMIC.size  # stale values
+                + bytes(range(256)) * 2 + bytes(range(launch._FIXED.size - 512)))
     go = make(plan)
     q, k, pos = 1 << 24, 2 << 24, 3 << 24
     assert go(q, k, pos) is True
@@ -62,14 +63,15 @@ def test_bound_launcher_packs_pointers_and_launches(driver_calls):
     assert calls == [(4242, 80, 1, 1, 8, 8, 4, 0, 777, args_addr, 0)] and not general
     packed = struct.unpack_from("<11Qq", buf, 0)
     assert packed == (q, k, 0, q, k, 0, CACHE, CACHE + 256, pos, 0, 0, 0)
-    assert buf.raw[launch._DYNAMIC.size:] == plan.buf.raw[launch._DYNAMIC.size:]  # fixed part
+    assert buf.raw[launch._DYNAMIC.size:] == plan.buf[launch._DYNAMIC.size:]  # fixed part
     assert ctypes.c_void_p.from_address(args_addr).value == ctypes.addressof(buf)
 
 
-def test_bound_launcher_threads_pack_their_own_parameters(monkeypatch):
-    """Concurrent calls: the parameters the driver reads during a launch are
-    the calling thread's (the fake driver yields the GIL mid-launch, as
-    the real one releases it)."""
+@pytest.fixture
+def slow_launches(monkeypatch):
+    """A fake driver launch that yields the GIL mid-launch (as the real one
+    releases it) and records (thread, argument array, first parameter word
+    at the start of the launch, the same word at its end)."""
     import time
 
     from cupy.cuda import driver
@@ -81,10 +83,23 @@ def test_bound_launcher_threads_pack_their_own_parameters(monkeypatch):
         params = ctypes.c_void_p.from_address(a[9]).value
         first = ctypes.c_uint64.from_address(params).value
         time.sleep(1e-4)  # let other threads pack
-        seen.append((first, ctypes.c_uint64.from_address(params).value))
+        seen.append((threading.get_ident(), a[9], first,
+                     ctypes.c_uint64.from_address(params).value))
 
     monkeypatch.setattr(driver, "launchKernel", fake_launch)
     monkeypatch.setattr(runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(launch, "_launch_kernel", fake_launch)
+    monkeypatch.setattr(launch, "_get_device", lambda: 0)
+    return seen
+
+
+@pytest.mark.parametrize("general_too", [False, True])
+def test_threads_pack_their_own_parameters(slow_launches, general_too):
+    """Concurrent calls: the parameters the driver reads during a launch are
+    the calling thread's, whether the bound launcher or Plan.launch (every
+    call that is not the bound decode step) packs them, and both paths of a
+    thread share that thread's one buffer."""
+    seen = slow_launches
     plan, _ = fake_plan(SLOTS)
     go = make(plan)
     start = threading.Barrier(6)
@@ -93,15 +108,22 @@ def test_bound_launcher_threads_pack_their_own_parameters(monkeypatch):
         start.wait()
         for n in range(50):
             q = ((i * 1000 + n) * 4 + 8) << 24
-            go(q, q + (1 << 24), q + (2 << 24))
+            if general_too and n % 2:
+                launch.Plan.launch(plan, [q, q + (1 << 24), 0, 0, 0, 0, CACHE, q + (2 << 24)], 0)
+            else:
+                go(q, q + (1 << 24), q + (2 << 24))
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wrong = [(a, b) for a, b in seen if a != b]
-    assert len(seen) == 300 and not wrong
+    assert len(seen) == 300 and all(a == b for _, _, a, b in seen)
+    args_of = {}
+    for ident, args_addr, _, _ in seen:
+        args_of.setdefault(ident, set()).add(args_addr)
+    assert len(args_of) == 6 and all(len(v) == 1 for v in args_of.values())
+    assert len(set().union(*args_of.values())) == 6
 
 
 @pytest.mark.parametrize("q,k,pos", [
@@ -176,3 +198,22 @@ def test_too_many_heads_is_refused_before_launch():
     heads -= 1  # the largest accepted
     x = Tensor(None, "cupy", 1 << 40, (1, heads, 2), (2 * heads, 2, 1), "float32", (CUDA, 0), False)
     assert launch.choose_spec(check_call(x, layout="thd", inv_freq=inv, inplace=True)).unroll == 4
+
+
+@pytest.mark.parametrize("rotary_dim,inplace,unroll", [
+    (128, True, launch.UNROLL),   # full rotary
+    (32, False, launch.UNROLL),   # partial out of place: the tail is copied, whole rows move
+    (32, True, 1),                # partial in place: one head per thread
+    (64, True, 1),
+])
+def test_unroll_policy_for_partial_rotary(rotary_dim, inplace, unroll):
+    from cupy_rope.interop import CUDA, Tensor
+    from cupy_rope.validate import check_call
+
+    h, d = 32, 128
+    x = Tensor(None, "cupy", 1 << 40, (16, h, d), (h * d, d, 1), "bfloat16", (CUDA, 0), False)
+    inv = Tensor(None, "cupy", 1 << 41, (rotary_dim // 2,), (1,), "float32", (CUDA, 0), False)
+    kw = dict(inplace=True) if inplace else dict(
+        out=Tensor(None, "cupy", 1 << 42, (16, h, d), (h * d, d, 1), "bfloat16", (CUDA, 0), False))
+    call = check_call(x, layout="thd", inv_freq=inv, rotary_dim=rotary_dim, **kw)
+    assert launch.choose_spec(call).unroll == unroll
