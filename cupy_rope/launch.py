@@ -158,8 +158,10 @@ def choose_spec(call: Call) -> Spec:
     # the partial call down to the floor of that access pattern (bshd [4,
     # 4096, 32, 128] bf16 in place on the H100, rotary 32: 45.0 -> 39.8 us,
     # a load/store-only kernel on the same bytes 39.2 us; rotary 64: 54.9 ->
-    # 54.1 us; docs/perf-notes.md).
-    partial_in_place = call.inplace and r < d
+    # 54.1 us; docs/perf-notes.md). Not for per-axis positions (M-RoPE):
+    # their one-head kernels would spill registers under the 4-blocks-per-SM
+    # bound (and are unmeasured).
+    partial_in_place = call.inplace and r < d and call.pos_mode != AXES
     unroll = 1 if max_heads < UNROLL or partial_in_place else UNROLL
     spec = Spec(call.dtype, tables[0].dtype, d, r, call.interleaved, call.source, pairs,
                 tail_vec, strided, table_strided, copy_tail, unroll, call.pos_mode)
@@ -534,8 +536,9 @@ def shipped_specs() -> list:
     {1, 1/2, 1/4} x NeoX/GPT-J x angle source (float32 tables, tables in x's
     dtype, inv_freq, angle table) x in place / out of place x position rule
     (implied, explicit, varlen, per-axis), plus the element-by-element path
-    for a strided last axis; and the same for one head per token (the UNROLL
-    1 kernels) with implied positions. The CPU tests compile all of them with
+    for a strided last axis; and the same for one head per token with implied
+    positions. (The launcher picks the UNROLL 1 kernels for one head per token
+    and for partial rotary in place.) The CPU tests compile all of them with
     NVRTC. Specs are derived by running :func:`choose_spec` on shape-only
     descriptions, so the list follows the launch policy.
     """

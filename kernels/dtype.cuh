@@ -84,14 +84,13 @@ __device__ __forceinline__ Packet<T, N> load_raw(const T* p, i64 stride) {
 // docs/perf-notes.md). Other packets load as load_raw does.
 template <typename T, int N, bool STRIDED = false>
 __device__ __forceinline__ Packet<T, N> load_reused(const T* p, i64 stride) {
-  constexpr int BYTES = static_cast<int>(sizeof(Packet<T, N>));
-  constexpr int CHUNK = BYTES >= 16 ? 16 : BYTES;
 #if __CUDA_ARCH__ >= 800
-  if constexpr (!STRIDED && CHUNK >= 4 && BYTES % CHUNK == 0) {
-    Packet<T, N> pk;
+  constexpr int BYTES = static_cast<int>(sizeof(Packet<T, N>));
+  constexpr int CHUNK = BYTES >= 16 ? 16 : BYTES;  // packets are CHUNK-aligned
+  if constexpr (!STRIDED && CHUNK >= 4) {
     unsigned long long policy;
     asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-    unsigned* w = reinterpret_cast<unsigned*>(&pk);
+    unsigned w[BYTES / 4];
     const char* b = reinterpret_cast<const char*>(p);
 #pragma unroll
     for (int i = 0; i < BYTES / CHUNK; ++i) {
@@ -106,6 +105,8 @@ __device__ __forceinline__ Packet<T, N> load_reused(const T* p, i64 stride) {
         asm("ld.global.L2::cache_hint.u32 %0, [%1], %2;"
             : "=r"(c[0]) : "l"(b + i * CHUNK), "l"(policy));
     }
+    Packet<T, N> pk;
+    memcpy(&pk, w, BYTES);
     return pk;
   }
 #endif
@@ -116,11 +117,6 @@ template <typename T, int N>
 __device__ __forceinline__ void to_floats(const Packet<T, N>& pk, float (&out)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
-}
-
-template <typename T, int N, bool STRIDED = false>
-__device__ __forceinline__ void load(const T* p, i64 stride, float (&out)[N]) {
-  to_floats(load_raw<T, N, STRIDED>(p, stride), out);
 }
 
 template <typename T, int N, bool STRIDED = false>

@@ -85,15 +85,17 @@ def partial_floor(cos, sin, rnd, d=128):
     rt = cupy.cuda.runtime
     limit = rt.cudaLimitMaxL2FetchGranularity
     default = rt.deviceGetLimit(limit)
-    for g in (32, 64, 128):
-        rt.deviceSetLimit(limit, g)
-        got = rt.deviceGetLimit(limit)
-        t4 = time_us(run_touch, [(x,)])
-        tp = time_us(lambda a: cupy_rope.apply_rope(a, cos[:, :16], sin[:, :16],
-                                                    rotary_dim=32, inplace=True), [(x,)])
-        print(f"L2 fetch granularity {g} (reads back {got}): touch 64 of 256 B {t4:.1f} us, "
-              f"partial 0.25 {tp:.1f} us = {tp / t_full:.3f} of full")
-    rt.deviceSetLimit(limit, default)
+    try:
+        for g in (32, 64, 128):
+            rt.deviceSetLimit(limit, g)
+            got = rt.deviceGetLimit(limit)
+            t4 = time_us(run_touch, [(x,)])
+            tp = time_us(lambda a: cupy_rope.apply_rope(a, cos[:, :16], sin[:, :16],
+                                                        rotary_dim=32, inplace=True), [(x,)])
+            print(f"L2 fetch granularity {g} (reads back {got}): touch 64 of 256 B {t4:.1f} us, "
+                  f"partial 0.25 {tp:.1f} us = {tp / t_full:.3f} of full")
+    finally:
+        rt.deviceSetLimit(limit, default)
     print(f"default L2 fetch granularity: {default}")
     t_copy = copy_us(x.nbytes // 4)
     print(f"partial 0.25 in place: {t_part:.1f} us = {t_part / t_full:.3f} of full "

@@ -217,3 +217,8 @@ def test_unroll_policy_for_partial_rotary(rotary_dim, inplace, unroll):
         out=Tensor(None, "cupy", 1 << 42, (16, h, d), (h * d, d, 1), "bfloat16", (CUDA, 0), False))
     call = check_call(x, layout="thd", inv_freq=inv, rotary_dim=rotary_dim, **kw)
     assert launch.choose_spec(call).unroll == unroll
+    if inplace:  # per-axis positions (M-RoPE) keep the multi-head kernels
+        pos = Tensor(None, "cupy", 1 << 43, (3, 16), (16, 1), "int32", (CUDA, 0), False)
+        call = check_call(x, layout="thd", inv_freq=inv, rotary_dim=rotary_dim, positions=pos,
+                          sections=(rotary_dim // 2 - 2, 1, 1), inplace=True)
+        assert launch.choose_spec(call).unroll == launch.UNROLL
