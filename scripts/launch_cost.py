@@ -49,6 +49,7 @@ def call():
     cupy_rope.apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd", inplace=True)
 
 
+show("host speed: sum(range(100)) (pure Python)", per_call(lambda: sum(range(100))))
 show("end to end apply_rope_qk (torch, in place)", per_call(call))
 bound = getattr(cupy_rope, "RotaryEmbedding", None)
 if bound is not None:
@@ -181,5 +182,14 @@ for fw, rp, args in (("torch", rope, (q, k, pos)), ("cupy", rope_c, (qc, kc, pc)
         driver.launchKernel = real
     show(f"[{fw}] go without the driver call (no overlap test)",
          per_call(lambda: go_stub(got[1], got[2], got[3])))
+    # The whole call with only the driver call replaced: Python's share.
+    driver.launchKernel = lambda *a: None
+    try:
+        stub = bound(cos_sin_cache=cache if fw == "torch" else cc, layout="thd")
+        stub.qk_(*args)
+        show(f"[{fw}] qk_ with the driver call stubbed (Python only)",
+             per_call(lambda: stub.qk_(*args)))
+    finally:
+        driver.launchKernel = real
 print("cupy get_current_stream().ptr", end=" ")
 show("", per_call(lambda: cupy.cuda.get_current_stream().ptr))
