@@ -12,6 +12,7 @@ place that knows how work is spread over threads.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import itertools
 import operator
@@ -46,6 +47,11 @@ SMALL_BLOCK_THREADS = 128
 VARLEN_MIN_TOKENS = 8
 VARLEN_FEW_SEQS = 1024  # up to this many sequences (two search steps): 4 tokens
 VARLEN_FEW_SEQS_MIN_TOKENS = 4
+# packet_kernel (kernels/packet.cu) for full rotary on 16-byte aligned views
+# with a unit channel stride: one packet per thread, a short prologue.
+PACKET_KERNELS = True
+PACKET_THREADS = 256  # threads per block (kernels/packet.cu PACKET_THREADS)
+MAX_PACKET_UNITS = 1 << 31  # packet_kernel indexes a slab's units in 32 bits
 MAX_SLABS = 3
 MAX_HEADS = 1 << 30  # heads per token (kernels/rope.cu indexes heads in 32 bits)
 POS_MODES = {IMPLIED: 0, EXPLICIT: 1, VARLEN: 2, AXES: 3}
@@ -60,7 +66,7 @@ DYNAMIC_FIELDS = (
 _VIEW = ("stride_outer", "stride_inner", "stride_group", "stride_head", "stride_dim")
 _SLAB = ([f"x.{f}" for f in _VIEW] + [f"out.{f}" for f in _VIEW]
          + ["block_begin", "token_blocks", "head_lanes", "heads_per_block", "n_heads",
-            "heads_per_group", "rotate"])
+            "heads_per_group", "rotate", "head_mul", "head_shift"])
 FIXED_FIELDS = (
     [(f"slab[{i}].{f}", "q") for i in range(MAX_SLABS) for f in _SLAB]
     + [(n, "q") for n in (
@@ -69,7 +75,7 @@ FIXED_FIELDS = (
         "off_stride_outer", "off_stride_inner", "off_is_64", "seq_stride_outer",
         "seq_stride_inner", "pos_stride_axis", "n_axes", "section[0]", "section[1]",
         "section[2]", "sections_interleaved", "n_seqs", "cp_size", "cp_rank", "cp_chunk", "n_outer",
-        "n_inner")]
+        "n_inner", "inner_mul", "inner_shift")]
     + [("sin_sign", "f"), ("pad_", "f")])
 PARAM_FIELDS = tuple(DYNAMIC_FIELDS) + tuple(FIXED_FIELDS)
 _DYNAMIC = struct.Struct("<" + "".join(c for _, c in DYNAMIC_FIELDS))
@@ -165,6 +171,20 @@ def choose_spec(call: Call) -> Spec:
     unroll = 1 if max_heads < UNROLL or partial_in_place else UNROLL
     spec = Spec(call.dtype, tables[0].dtype, d, r, call.interleaved, call.source, pairs,
                 tail_vec, strided, table_strided, copy_tail, unroll, call.pos_mode)
+    # Full rotary with 16-byte packets, a power-of-two number of them per
+    # head (warps cover whole heads) and implied or explicit positions:
+    # packet_kernel, one thread per packet (NeoX: per pair of packets).
+    # (bshd/sbhd bf16 on the H100: 0.979-0.986 -> 0.992-0.996 of copy;
+    # d80/d96 bf16, 5/6 pairs of packets per head: 0.95/0.98 -> 0.95/0.93,
+    # so those stay with rope_kernel; docs/perf-notes.md.) cu_seqlens stay
+    # with rope_kernel, whose blocks of several tokens share one sequence
+    # search.
+    vec_bytes = (2 * pairs if call.interleaved else pairs) * item
+    units = spec.rot_items  # packet_kernel threads per head
+    if (PACKET_KERNELS and r == d and not strided and vec_bytes == MAX_VECTOR_BYTES
+            and units & (units - 1) == 0 and call.pos_mode in (IMPLIED, EXPLICIT)
+            and call.tokens * max_heads * units < MAX_PACKET_UNITS):
+        return dataclasses.replace(spec, unroll=1, mapping="packets")
     if spec.rot_items + spec.tail_items > THREADS_PER_BLOCK:
         raise ValueError(f"x: head_dim {d} with rotary_dim {r} on a last axis with stride != 1 "
                          f"(or unaligned) needs {spec.rot_items + spec.tail_items} threads per "
@@ -234,6 +254,26 @@ def block_shape(items: int, slab_heads: tuple, tokens: int, unroll: int, sm_coun
     return (begin, 1, 1), (items, by, bz), slabs
 
 
+def packet_shape(units_per_row: int, slab_heads: tuple, tokens: int):
+    """Grid, block and per-slab block layout for packet_kernel: each slab's
+    tokens x heads x units_per_row units, one per thread, in blocks of
+    PACKET_THREADS; slabs[k] = (block_begin, 0, 0, 0)."""
+    slabs, begin = [], 0
+    for h in slab_heads:
+        slabs.append((begin, 0, 0, 0))
+        begin += -(-tokens * h * units_per_row // PACKET_THREADS)
+    return (begin, 1, 1), (PACKET_THREADS, 1, 1), slabs
+
+
+def reciprocal(d: int):
+    """(mul, shift) with floor(n / d) == (n * mul) >> shift for 0 <= n < 2^31
+    (kernels/packet.cu divide()); (0, 0) for d == 0."""
+    if d <= 0:
+        return 0, 0
+    shift = 31 + (d - 1).bit_length()
+    return (1 << shift) // d + 1, shift
+
+
 def _varlen_min_tokens(n_seqs: int) -> int:
     return VARLEN_FEW_SEQS_MIN_TOKENS if n_seqs <= VARLEN_FEW_SEQS else VARLEN_MIN_TOKENS
 
@@ -263,7 +303,8 @@ def fixed_params(call: Call, slab_blocks: list) -> bytes:
             sl = call.slabs[i]
             fields += view(sl.x_strides, sl.heads_per_group)
             fields += view(sl.out_strides, sl.heads_per_group)
-            fields += (*slab_blocks[i], sl.heads, sl.heads_per_group, int(sl.rotate))
+            fields += (*slab_blocks[i], sl.heads, sl.heads_per_group, int(sl.rotate),
+                       *reciprocal(sl.heads))
         else:
             fields += (0,) * len(_SLAB)
 
@@ -293,7 +334,7 @@ def fixed_params(call: Call, slab_blocks: list) -> bytes:
         *off_strides, int(call.offsets is not None and call.offsets.dtype == "int64"),
         *seq_strides, axis_stride, n_axes, *sections, int(call.sections_interleaved),
         call.n_seqs, call.cp_size, call.cp_rank, cp_chunk,
-        n_outer, n_inner,
+        n_outer, n_inner, *reciprocal(n_inner),
         -1.0 if call.backward else 1.0, 0.0)
     return _FIXED.pack(*fields)
 
@@ -315,10 +356,14 @@ class Plan:
         self.device_id = call.device[1]
         self.empty = call.tokens == 0 or call.heads == 0
         self.spec = spec = choose_spec(call)
-        self.grid, self.block, slab_blocks = block_shape(
-            spec.rot_items + spec.tail_items, tuple(s.heads for s in call.slabs), call.tokens,
-            spec.unroll, _sm_count(self.device_id),
-            _varlen_min_tokens(call.n_seqs) if call.pos_mode == VARLEN else 1)
+        heads = tuple(s.heads for s in call.slabs)
+        if spec.mapping == "heads":
+            self.grid, self.block, slab_blocks = block_shape(
+                spec.rot_items + spec.tail_items, heads, call.tokens, spec.unroll,
+                _sm_count(self.device_id),
+                _varlen_min_tokens(call.n_seqs) if call.pos_mode == VARLEN else 1)
+        else:
+            self.grid, self.block, slab_blocks = packet_shape(spec.rot_items, heads, call.tokens)
         self.dims = (*self.grid, *self.block)
         self.kernel = None if self.empty else get_kernel(spec, self.device_id).ptr
         # The parameters with the dynamic fields zero; each launching thread

@@ -55,9 +55,19 @@ class Spec:
     copy_tail: bool  # out of place: copy channels [rotary_dim, head_dim)
     unroll: int  # heads a thread loads before its first store
     pos_mode: str  # key of POS_MODES: implied | explicit | varlen | axes
+    # Which kernel: "heads" (rope_kernel, kernels/rope.cu: a thread walks
+    # several heads; any rotary_dim, layout and position rule) or "packets"
+    # (packet_kernel, kernels/packet.cu: a thread rotates one packet, or a
+    # NeoX pair of packets; full rotary on 16-byte aligned views).
+    mapping: str = "heads"
+
+    @property
+    def source_file(self) -> str:
+        return "rope.cu" if self.mapping == "heads" else "packet.cu"
 
     @property
     def rot_items(self) -> int:
+        """Threads per head for the rotated channels (packet_kernel: per head)."""
         return self.rotary_dim // 2 // self.pairs
 
     @property
@@ -66,6 +76,12 @@ class Spec:
 
     def name_expression(self) -> str:
         b = lambda v: "true" if v else "false"  # noqa: E731
+        if self.mapping == "packets":
+            vec = 2 * self.pairs if self.interleaved else self.pairs  # channels per packet
+            return "rope::packet_kernel<" + ", ".join([
+                CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),
+                b(self.interleaved), str(ANGLE_SOURCES[self.source]), str(vec),
+                b(self.table_strided), str(POS_MODES[self.pos_mode])]) + ">"
         args = [
             CXX_TYPES[self.dtype],
             CXX_TYPES[self.angle_dtype],
@@ -142,7 +158,8 @@ def get_kernel(spec: Spec, device_id: int):
         try:
             with cupy.cuda.Device(device_id):
                 module = cupy.RawModule(
-                    code=kernel_source(), options=NVRTC_OPTIONS, name_expressions=[name]
+                    code=kernel_source(spec.source_file), options=NVRTC_OPTIONS,
+                    name_expressions=[name]
                 )
                 function = module.get_function(name).kernel  # cupy.cuda.function.Function
         except cupy.cuda.compiler.CompileException:
@@ -165,9 +182,15 @@ def compile_for_arch(specs, arch: str = "sm_90") -> dict:
         from cupy.cuda import nvrtc
     except Exception as exc:  # pragma: no cover - depends on the install
         raise _nvrtc_help(exc) from exc
+    files = sorted({s.source_file for s in specs}) or ["rope.cu"]
+    if len(files) > 1:  # one NVRTC program per source file
+        out = {}
+        for f in files:
+            out.update(compile_for_arch([s for s in specs if s.source_file == f], arch))
+        return out
     names = [s.name_expression() for s in specs]
     try:
-        prog = nvrtc.createProgram(kernel_source(), "rope.cu", [], [])
+        prog = nvrtc.createProgram(kernel_source(files[0]), files[0], [], [])
     except Exception as exc:
         raise _nvrtc_help(exc) from exc
     try:

@@ -14,6 +14,17 @@ enum AngleSource : int {
   ANGLE_TABLE = 2,  // theta looked up in [max_position, rotary_dim/2], then sincosf
 };
 
+// The rotation of a channel pair (a, b) by an angle with cosine c and sine
+// s: a' = a c - b s, b' = b c + a s. Spelled with explicit fmaf so that
+// every kernel and thread mapping rounds alike (in place and out of place
+// give the same bits).
+__device__ __forceinline__ float rotated_first(float a, float b, float c, float s) {
+  return fmaf(a, c, -(b * s));
+}
+__device__ __forceinline__ float rotated_second(float a, float b, float c, float s) {
+  return fmaf(b, c, a * s);
+}
+
 // theta = pos * inv_freq reduced to about [-pi, pi] without losing the
 // bits a plain fp32 product drops at large positions.
 //

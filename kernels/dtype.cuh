@@ -113,28 +113,104 @@ __device__ __forceinline__ Packet<T, N> load_reused(const T* p, i64 stride) {
   return load_raw<T, N, STRIDED>(p, stride);
 }
 
+// A contiguous 16-byte packet through the read-only (non-coherent) path:
+// only for memory that no thread of the launch writes (out of place).
+template <typename T, int N>
+__device__ __forceinline__ Packet<T, N> load_read_only(const T* p) {
+  static_assert(sizeof(Packet<T, N>) == 16, "16-byte packets");
+  unsigned w[4];
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+  Packet<T, N> pk;
+  memcpy(&pk, w, 16);
+  return pk;
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void to_floats(const Packet<T, N>& pk, float (&out)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
 }
 
+// Store BYTES (4, 8 or a multiple of 16) from 32-bit words as 16-, 8- or
+// 4-byte vector stores. Written in PTX: a struct copy of 16-bit elements
+// assembled from separate registers can be split by the compiler into
+// 2-byte stores, and was (bf16 packets: 5x the L2 write sectors).
+template <int BYTES>
+__device__ __forceinline__ void store_words(void* p, const unsigned (&w)[BYTES / 4]) {
+  char* b = static_cast<char*>(p);
+  if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i)
+      asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(b + 16 * i), "r"(w[4 * i]),
+                   "r"(w[4 * i + 1]), "r"(w[4 * i + 2]), "r"(w[4 * i + 3]) : "memory");
+  } else if constexpr (BYTES == 8) {
+    asm volatile("st.global.v2.u32 [%0], {%1,%2};" ::"l"(b), "r"(w[0]), "r"(w[1]) : "memory");
+  } else {
+    static_assert(BYTES == 4, "4, 8 or 16k bytes");
+    asm volatile("st.global.u32 [%0], %1;" ::"l"(b), "r"(w[0]) : "memory");
+  }
+}
+
 template <typename T, int N, bool STRIDED = false>
 __device__ __forceinline__ void store_raw(T* p, i64 stride, const Packet<T, N>& pk) {
+  constexpr int BYTES = static_cast<int>(sizeof(Packet<T, N>));
   if constexpr (STRIDED) {
 #pragma unroll
     for (int i = 0; i < N; ++i) p[i * stride] = pk.v[i];
+  } else if constexpr (BYTES % 16 == 0 || BYTES == 8 || BYTES == 4) {
+    unsigned w[BYTES / 4];
+    memcpy(w, &pk, BYTES);
+    store_words<BYTES>(p, w);
   } else {
     *reinterpret_cast<Packet<T, N>*>(p) = pk;
   }
 }
 
+// Two floats as one 32-bit word of two 16-bit values (lo first in memory).
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+
+template <> __device__ __forceinline__ unsigned pack2<bf16>(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return static_cast<unsigned>(from_float<bf16>(lo).bits) |
+         (static_cast<unsigned>(from_float<bf16>(hi).bits) << 16);
+#endif
+}
+
+template <> __device__ __forceinline__ unsigned pack2<f16>(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return static_cast<unsigned>(from_float<f16>(lo).bits) |
+         (static_cast<unsigned>(from_float<f16>(hi).bits) << 16);
+#endif
+}
+
 template <typename T, int N, bool STRIDED = false>
 __device__ __forceinline__ void store(T* p, i64 stride, const float (&in)[N]) {
-  Packet<T, N> pk;
+  constexpr int BYTES = static_cast<int>(sizeof(T)) * N;
+  if constexpr (!STRIDED && (BYTES % 16 == 0 || BYTES == 8 || BYTES == 4)) {
+    unsigned w[BYTES / 4];
+    if constexpr (sizeof(T) == 4) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
-  store_raw<T, N, STRIDED>(p, stride, pk);
+      for (int i = 0; i < N; ++i) w[i] = __float_as_uint(in[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) w[i] = pack2<T>(in[2 * i], in[2 * i + 1]);
+    }
+    store_words<BYTES>(p, w);
+  } else {
+    Packet<T, N> pk;
+#pragma unroll
+    for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
+    store_raw<T, N, STRIDED>(p, stride, pk);
+  }
 }
 
 }  // namespace rope

@@ -14,13 +14,6 @@
 namespace rope {
 
 constexpr int MAX_SLABS = 3;  // q, k, v
-constexpr int MAX_THREADS = 256;  // threads per block (cupy_rope/launch.py THREADS_PER_BLOCK)
-constexpr int MAX_BLOCK_TOKENS = MAX_THREADS;  // tokens one block can cover
-#ifndef ROPE_MIN_BLOCKS_PER_SM  // scripts/tune.py tries other values
-#define ROPE_MIN_BLOCKS_PER_SM 2
-#endif
-// Register budget: this many full blocks resident per SM.
-constexpr int MIN_BLOCKS_PER_SM = ROPE_MIN_BLOCKS_PER_SM;
 
 // Strides (in elements) of one [tokens, heads, head_dim] slab. Tokens are
 // addressed by two indices (outer, inner) so that bshd, sbhd, thd and any
@@ -51,6 +44,10 @@ struct Slab {
   i64 n_heads;
   i64 heads_per_group;  // >= n_heads for a plain (ungrouped) head axis
   i64 rotate;           // 0: copy the heads unchanged (v of a fused QKV split)
+  // packet_kernel: row / n_heads as (row * head_mul) >> head_shift
+  // (kernels/packet.cu divide()).
+  i64 head_mul;
+  i64 head_shift;
 };
 
 struct Params {
@@ -97,9 +94,31 @@ struct Params {
 
   i64 n_outer;
   i64 n_inner;
+  i64 inner_mul;  // packet_kernel: token / n_inner, as head_mul above
+  i64 inner_shift;
 
   float sin_sign;  // +1 forward, -1 backward (rotation by -theta)
   float pad_;
 };
+
+// Element offset of head j in a view: heads_per_group >= n_heads (grouped
+// false) for a plain head axis, else packed QKV groups of heads_per_group
+// heads. (Head counts are below 2^30: cupy_rope/launch.py checks.)
+__device__ __forceinline__ i64 head_offset(const View& v, int j, bool grouped, int per_group) {
+  if (!grouped) return static_cast<i64>(j) * v.stride_head;
+  const int g = static_cast<unsigned>(j) / static_cast<unsigned>(per_group);
+  return static_cast<i64>(g) * v.stride_group + static_cast<i64>(j - g * per_group) * v.stride_head;
+}
+
+// The slab of this block (block-uniform): slab k covers blockIdx.x from
+// slab[k].block_begin on. Selected with compile-time indices only, so the
+// parameter struct is never copied to local memory.
+__device__ __forceinline__ int block_slab(const Params& p) {
+  int k = 0;
+#pragma unroll
+  for (int i = 1; i < MAX_SLABS; ++i)
+    if (i < p.n_slabs && blockIdx.x >= p.slab[i].block_begin) k = i;
+  return k;
+}
 
 }  // namespace rope

@@ -30,25 +30,13 @@
 
 namespace rope {
 
-// Element offset of head j in a view: heads_per_group >= n_heads (grouped
-// false) for a plain head axis, else packed QKV groups of heads_per_group
-// heads. (Head counts are below 2^30: cupy_rope/launch.py checks.)
-__device__ __forceinline__ i64 head_offset(const View& v, int j, bool grouped, int per_group) {
-  if (!grouped) return static_cast<i64>(j) * v.stride_head;
-  const int g = static_cast<unsigned>(j) / static_cast<unsigned>(per_group);
-  return static_cast<i64>(g) * v.stride_group + static_cast<i64>(j - g * per_group) * v.stride_head;
-}
-
-// The slab of this block (block-uniform): slab k covers blockIdx.x from
-// slab[k].block_begin on. Selected with compile-time indices only, so the
-// parameter struct is never copied to local memory.
-__device__ __forceinline__ int block_slab(const Params& p) {
-  int k = 0;
-#pragma unroll
-  for (int i = 1; i < MAX_SLABS; ++i)
-    if (i < p.n_slabs && blockIdx.x >= p.slab[i].block_begin) k = i;
-  return k;
-}
+#ifndef ROPE_MIN_BLOCKS_PER_SM  // scripts/quick_perf.py tries other values
+#define ROPE_MIN_BLOCKS_PER_SM 2
+#endif
+// Register budget: this many full blocks resident per SM.
+constexpr int MIN_BLOCKS_PER_SM = ROPE_MIN_BLOCKS_PER_SM;
+constexpr int MAX_THREADS = 256;  // threads per block (cupy_rope/launch.py THREADS_PER_BLOCK)
+constexpr int MAX_BLOCK_TOKENS = MAX_THREADS;  // tokens one block can cover
 
 template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERLEAVED,
           int SOURCE, int PAIRS, int TAIL_VEC, bool STRIDED, bool TABLE_STRIDED, bool COPY_TAIL,
@@ -192,8 +180,8 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
 #pragma unroll
           for (int i = 0; i < PAIRS; ++i) {
             const float a = v[2 * i], b = v[2 * i + 1];
-            v[2 * i] = a * c[i] - b * s[i];
-            v[2 * i + 1] = b * c[i] + a * s[i];
+            v[2 * i] = rotated_first(a, b, c[i], s[i]);
+            v[2 * i + 1] = rotated_second(a, b, c[i], s[i]);
           }
           store<T, WIDTH, STRIDED>(o + ch[0] * od, od, v);
         } else {
@@ -203,8 +191,8 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
 #pragma unroll
           for (int i = 0; i < PAIRS; ++i) {
             const float ai = a[i], bi = b[i];
-            a[i] = ai * c[i] - bi * s[i];
-            b[i] = bi * c[i] + ai * s[i];
+            a[i] = rotated_first(ai, bi, c[i], s[i]);
+            b[i] = rotated_second(ai, bi, c[i], s[i]);
           }
           store<T, PAIRS, STRIDED>(o + ch[0] * od, od, a);
           store<T, PAIRS, STRIDED>(o + ch[1] * od, od, b);

@@ -8,6 +8,7 @@ kernel, a ctypes cuLaunchKernel, and a trivial torch op, so the floor that
 any Python-launched kernel pays on this host is measured next to ours.
 """
 import ctypes
+import sys
 import threading
 import time
 
@@ -50,6 +51,36 @@ def call():
 
 
 show("host speed: sum(range(100)) (pure Python)", per_call(lambda: sum(range(100))))
+
+
+def stream_rows():
+    """The same launches on the legacy default stream, the per-thread default
+    stream and created streams: the driver's cost differs by stream kind."""
+    from cupy.cuda import driver
+
+    empty = cupy.RawKernel('extern "C" __global__ void nothing() {}', "nothing")
+    empty.compile()
+    no_args = (ctypes.c_void_p * 1)(0)
+    addr = ctypes.addressof(no_args)
+    rope = cupy_rope.RotaryEmbedding(cos_sin_cache=cache, layout="thd")
+    kinds = [("legacy default (0)", None), ("per-thread default (2)", 2),
+             ("torch.cuda.Stream()", torch.cuda.Stream()),
+             ("cupy Stream(non_blocking=True)", cupy.cuda.Stream(non_blocking=True)),
+             ("cupy Stream() (blocking)", cupy.cuda.Stream())]
+    for name, s in kinds:
+        handle = 0 if s is None else (s if isinstance(s, int) else
+                                      getattr(s, "cuda_stream", None) or s.ptr)
+        show(f"empty launch on {name}",
+             per_call(lambda: driver.launchKernel(empty.kernel.ptr, 1, 1, 1, 32, 1, 1, 0,
+                                                  handle, addr, 0)))
+        ts = torch.cuda.ExternalStream(handle) if handle else torch.cuda.default_stream()
+        with torch.cuda.stream(ts):
+            show(f"qk_ (torch) on {name}", per_call(lambda: rope.qk_(q, k, pos)))
+
+
+if "--streams" in sys.argv:
+    stream_rows()
+    sys.exit(0)
 show("end to end apply_rope_qk (torch, in place)", per_call(call))
 bound = getattr(cupy_rope, "RotaryEmbedding", None)
 if bound is not None:

@@ -5,7 +5,8 @@
         python scripts/ncu_probe.py thd
 
 Workloads: thd (T=65536 h32 d128 bf16, cu_seqlens n=2401), bshd (the same
-bytes as [1, 65536, 32, 128]), diffusion (q24/k24 d80 b2 s4096).
+bytes as [1, 65536, 32, 128]), diffusion (q24/k24 d80 b2 s4096), bshd-bf16
+and bshd-fp32 ([4, 4096, 32, 128] out of place).
 """
 import sys
 
@@ -32,6 +33,13 @@ if what == "diffusion":
     oq, ok = cupy.empty_like(q), cupy.empty_like(k)
     for _ in range(4):
         cupy_rope.apply_rope_qk(q, k, cos, sin, out_q=oq, out_k=ok)
+elif what in ("bshd-fp32", "bshd-bf16"):  # [4, 4096, 32, 128] out of place
+    x = cupy.random.standard_normal((4, 4096, 32, d), dtype=cupy.float32)
+    if what == "bshd-bf16":
+        x = x.astype(bf16())
+    o = cupy.empty_like(x)
+    for _ in range(4):
+        cupy_rope.apply_rope(x, cos, sin, out=o)
 else:
     x = rnd((T, 32, d))
     o = cupy.empty_like(x)

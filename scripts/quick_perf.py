@@ -350,7 +350,8 @@ if __name__ == "__main__":
         # e.g. base: up:LANES_ROUND_UP=1 small:SMALL_BLOCK_THREADS=128
         from cupy_rope import launch
         defaults = {a: getattr(launch, a) for a in ("LANES_ROUND_UP", "SMALL_BLOCK_THREADS",
-                                                    "THREADS_PER_BLOCK", "MAX_HEAD_LANES")}
+                                                    "THREADS_PER_BLOCK", "MAX_HEAD_LANES",
+                                                    "PACKET_KERNELS", "PACKET_THREADS")}
         for spec in sys.argv[sys.argv.index("--variants") + 1:]:
             name, _, rest = spec.partition(":")
             settings = dict(kv.partition("=")[::2] for kv in filter(None, rest.split(",")))

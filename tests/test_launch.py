@@ -7,6 +7,7 @@ import struct
 import threading
 import types
 
+import numpy as np
 import pytest
 
 from cupy_rope import launch
@@ -200,13 +201,14 @@ def test_too_many_heads_is_refused_before_launch():
     assert launch.choose_spec(check_call(x, layout="thd", inv_freq=inv, inplace=True)).unroll == 4
 
 
-@pytest.mark.parametrize("rotary_dim,inplace,unroll", [
-    (128, True, launch.UNROLL),   # full rotary
-    (32, False, launch.UNROLL),   # partial out of place: the tail is copied, whole rows move
-    (32, True, 1),                # partial in place: one head per thread
-    (64, True, 1),
+@pytest.mark.parametrize("rotary_dim,inplace,unroll,mapping", [
+    (128, True, 1, "packets"),    # full rotary: packet_kernel
+    (128, False, 1, "packets"),
+    (32, False, launch.UNROLL, "heads"),  # partial out of place: the tail is copied
+    (32, True, 1, "heads"),       # partial in place: one head per thread
+    (64, True, 1, "heads"),
 ])
-def test_unroll_policy_for_partial_rotary(rotary_dim, inplace, unroll):
+def test_unroll_policy_for_partial_rotary(rotary_dim, inplace, unroll, mapping):
     from cupy_rope.interop import CUDA, Tensor
     from cupy_rope.validate import check_call
 
@@ -216,9 +218,82 @@ def test_unroll_policy_for_partial_rotary(rotary_dim, inplace, unroll):
     kw = dict(inplace=True) if inplace else dict(
         out=Tensor(None, "cupy", 1 << 42, (16, h, d), (h * d, d, 1), "bfloat16", (CUDA, 0), False))
     call = check_call(x, layout="thd", inv_freq=inv, rotary_dim=rotary_dim, **kw)
-    assert launch.choose_spec(call).unroll == unroll
+    spec = launch.choose_spec(call)
+    assert (spec.unroll, spec.mapping) == (unroll, mapping)
     if inplace:  # per-axis positions (M-RoPE) keep the multi-head kernels
         pos = Tensor(None, "cupy", 1 << 43, (3, 16), (16, 1), "int32", (CUDA, 0), False)
         call = check_call(x, layout="thd", inv_freq=inv, rotary_dim=rotary_dim, positions=pos,
                           sections=(rotary_dim // 2 - 2, 1, 1), inplace=True)
         assert launch.choose_spec(call).unroll == launch.UNROLL
+
+
+@pytest.mark.parametrize("interleaved,inplace,dtype,last_stride,ptr_offset,mapping", [
+    (False, False, "bfloat16", 1, 0, "packets"),
+    (False, True, "bfloat16", 1, 0, "packets"),
+    (True, True, "bfloat16", 1, 0, "packets"),
+    (True, False, "float32", 1, 0, "packets"),
+    (False, False, "bfloat16", 2, 0, "heads"),  # strided channels
+    (False, False, "bfloat16", 1, 8, "heads"),  # 8-byte aligned: no 16-byte packets
+])
+def test_packet_kernel_policy(interleaved, inplace, dtype, last_stride, ptr_offset, mapping):
+    from cupy_rope.interop import CUDA, Tensor
+    from cupy_rope.validate import check_call
+
+    h, d = 8, 128
+    st = (h * d * last_stride, d * last_stride, last_stride)
+    x = Tensor(None, "cupy", (1 << 40) + ptr_offset, (16, h, d), st, dtype, (CUDA, 0), False)
+    cos = Tensor(None, "cupy", 1 << 41, (16, d // 2), (d // 2, 1), "float32", (CUDA, 0), False)
+    sin = Tensor(None, "cupy", 1 << 42, (16, d // 2), (d // 2, 1), "float32", (CUDA, 0), False)
+    kw = dict(inplace=True) if inplace else dict(out=Tensor(
+        None, "cupy", 1 << 43, (16, h, d), (h * d, d, 1), dtype, (CUDA, 0), False))
+    call = check_call(x, cos=cos, sin=sin, layout="thd", interleaved=interleaved, **kw)
+    assert launch.choose_spec(call).mapping == mapping
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 7, 24, 32, 40, 100, 4095, 65536, 65537,
+                               (1 << 30) + 1, (1 << 31) - 1])
+def test_reciprocal_divides_every_31_bit_numerator(d):
+    mul, shift = launch.reciprocal(d)
+    rng = np.random.default_rng(d)
+    top = (1 << 31) - 1
+    ns = np.concatenate([rng.integers(0, top, 20000), np.arange(0, 3000),
+                         top - np.arange(0, 3000), np.arange(1, 2000) * d - 1,
+                         np.arange(1, 2000) * d]).astype(object)
+    for n in ns:
+        if 0 <= n <= top:
+            assert (int(n) * mul) >> shift == int(n) // d, (n, d)
+    assert mul < 1 << 33 and shift < 64
+
+
+@pytest.mark.parametrize("head_dim,dtype,mapping", [
+    (64, "bfloat16", "packets"), (128, "float16", "packets"), (256, "float32", "packets"),
+    (80, "bfloat16", "heads"), (96, "bfloat16", "heads"),  # 5 / 6 units per head
+    (96, "float32", "heads"), (32, "float32", "packets"), (16, "bfloat16", "packets"),
+    (4, "float32", "heads")])  # 2-pair packets: 8 bytes
+def test_packet_kernel_needs_power_of_two_packets_per_head(head_dim, dtype, mapping):
+    from cupy_rope.interop import CUDA, Tensor
+    from cupy_rope.validate import check_call
+
+    h, d = 8, head_dim
+    x = Tensor(None, "cupy", 1 << 40, (16, h, d), (h * d, d, 1), dtype, (CUDA, 0), False)
+    inv = Tensor(None, "cupy", 1 << 41, (d // 2,), (1,), "float32", (CUDA, 0), False)
+    call = check_call(x, inv_freq=inv, layout="thd", inplace=True)
+    assert launch.choose_spec(call).mapping == mapping
+
+
+@pytest.mark.parametrize("rule,mapping", [("explicit", "packets"), ("varlen", "heads")])
+def test_packet_kernel_position_rules(rule, mapping):
+    """Explicit positions use packet_kernel; cu_seqlens keep rope_kernel's
+    token blocks (one sequence search per block of several tokens)."""
+    from cupy_rope.interop import CUDA, Tensor
+    from cupy_rope.validate import check_call
+
+    h, d = 8, 128
+    x = Tensor(None, "cupy", 1 << 40, (16, h, d), (h * d, d, 1), "bfloat16", (CUDA, 0), False)
+    cos = Tensor(None, "cupy", 1 << 41, (16, d // 2), (d // 2, 1), "float32", (CUDA, 0), False)
+    sin = Tensor(None, "cupy", 1 << 42, (16, d // 2), (d // 2, 1), "float32", (CUDA, 0), False)
+    kw = ({"positions": Tensor(None, "cupy", 1 << 43, (16,), (1,), "int32", (CUDA, 0), False)}
+          if rule == "explicit" else
+          {"cu_seqlens": Tensor(None, "cupy", 1 << 43, (3,), (1,), "int32", (CUDA, 0), False)})
+    call = check_call(x, cos=cos, sin=sin, layout="thd", inplace=True, **kw)
+    assert launch.choose_spec(call).mapping == mapping

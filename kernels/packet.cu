@@ -1,0 +1,150 @@
+// Rotary position embedding with one 16-byte packet (or NeoX pair of
+// packets) per thread: the kernel for full rotary (rotary_dim == head_dim)
+// on 16-byte aligned views with a unit channel stride, which is what most
+// calls are. Same Params, angles, positions and math as rope_kernel
+// (kernels/rope.cu):
+//   a' = a cos(theta_f) - b sin(theta_f)
+//   b' = b cos(theta_f) + a sin(theta_f)
+// for the pairs (a, b) = (f, f + HEAD_DIM/2) (NeoX) or (2f, 2f + 1) (GPT-J).
+//
+// Why a second kernel: a RoPE thread moves tens of bytes, and at the copy
+// rate an SM has only a few hundred instruction slots per thread
+// (docs/perf-notes.md). rope_kernel's per-thread setup (head lanes, head
+// groups, token lanes, passes) pays off when a thread walks several heads;
+// this kernel's thread rotates one unit and needs a few integer operations
+// to find it:
+//   unit  = (blockIdx.x - slab's first block) * blockDim.x + threadIdx.x
+//   row   = unit / UNITS                 (compile time; a row is one head of one token)
+//   token = row / n_heads                (multiply by a host-made reciprocal)
+//   outer = token / n_inner              (the same; skipped for one batch entry)
+// A unit is, for GPT-J, one packet of VEC channels (VEC / 2 pairs); for
+// NeoX, the packets at channels f and f + HALF (VEC pairs). (One output
+// packet per thread with its rotate-half partner re-read, the layout of
+// torch.compile's kernel, measured 0.86-0.93 of copy here against 0.99 for
+// pairs.) Positions: implied or explicit; rope_kernel keeps cu_seqlens
+// (its blocks of several tokens amortize the sequence search, which this
+// kernel would repeat for every 256 threads: thd 0.38-0.50 of copy) and
+// per-axis positions.
+#include "angles.cuh"
+
+namespace rope {
+
+constexpr int PACKET_THREADS = 256;  // most threads per block (cupy_rope/launch.py)
+
+// floor(n / d) for n < 2^31, with (mul, shift) from cupy_rope/launch.py
+// `reciprocal(d)`: mul = floor(2^shift / d) + 1, shift = 31 + ceil(log2 d).
+// The error of mul is below d / 2^shift, so n * mul / 2^shift stays below
+// the next integer for every n < 2^31.
+__device__ __forceinline__ unsigned divide(unsigned n, i64 mul, i64 shift) {
+  return static_cast<unsigned>((static_cast<unsigned long long>(n) *
+                                static_cast<unsigned long long>(mul)) >> shift);
+}
+
+template <typename T, typename AngleT, int HEAD_DIM, bool INTERLEAVED, int SOURCE, int VEC,
+          bool TABLE_STRIDED, int POS_MODE>
+__global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) {
+  static_assert(HEAD_DIM % 2 == 0, "even head_dim");
+  constexpr int HALF = HEAD_DIM / 2;
+  static_assert(INTERLEAVED ? (VEC % 2 == 0 && HEAD_DIM % VEC == 0) : HALF % VEC == 0,
+                "packets tile the head");
+  static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
+  // Units per row, and angles (frequencies) per unit.
+  constexpr int UNITS = INTERLEAVED ? HEAD_DIM / VEC : HALF / VEC;
+  constexpr int FREQS = INTERLEAVED ? VEC / 2 : VEC;
+
+  // The block's slab (block-uniform) and the fields this kernel uses.
+  const int k = block_slab(p);
+  const void* x_data = p.x_data[0];
+  void* out_data = p.out_data[0];
+  View xv = p.slab[0].x, ov = p.slab[0].out;
+  i64 begin = p.slab[0].block_begin, n_heads = p.slab[0].n_heads;
+  i64 per_group = p.slab[0].heads_per_group, rotate = p.slab[0].rotate;
+  i64 head_mul = p.slab[0].head_mul, head_shift = p.slab[0].head_shift;
+#pragma unroll
+  for (int i = 1; i < MAX_SLABS; ++i) {
+    if (k == i) {
+      x_data = p.x_data[i];
+      out_data = p.out_data[i];
+      xv = p.slab[i].x;
+      ov = p.slab[i].out;
+      begin = p.slab[i].block_begin;
+      n_heads = p.slab[i].n_heads;
+      per_group = p.slab[i].heads_per_group;
+      rotate = p.slab[i].rotate;
+      head_mul = p.slab[i].head_mul;
+      head_shift = p.slab[i].head_shift;
+    }
+  }
+  // (The launcher keeps every slab below 2^31 units: 32-bit index math.)
+  const unsigned block_unit = (blockIdx.x - static_cast<unsigned>(begin)) * blockDim.x;
+  const unsigned unit = block_unit + threadIdx.x;
+  const unsigned row = unit / UNITS;
+  const int u = static_cast<int>(unit - row * UNITS);
+  const unsigned token = divide(row, head_mul, head_shift);
+  const int h = static_cast<int>(row - token * static_cast<unsigned>(n_heads));
+  if (token >= static_cast<unsigned>(p.n_outer * p.n_inner)) return;  // the last block's spares
+  unsigned outer = 0, inner = token;
+  if (p.n_outer != 1) {  // block-uniform
+    outer = divide(token, p.inner_mul, p.inner_shift);
+    inner = token - outer * static_cast<unsigned>(p.n_inner);
+  }
+  const bool grouped = per_group < n_heads;
+  const T* x = static_cast<const T*>(x_data) + outer * xv.stride_outer +
+               inner * xv.stride_inner + head_offset(xv, h, grouped, static_cast<int>(per_group));
+  T* out = static_cast<T*>(out_data) + outer * ov.stride_outer + inner * ov.stride_inner +
+           head_offset(ov, h, grouped, static_cast<int>(per_group));
+
+  // This unit's channels: c0 (and, NeoX, the second packet c1).
+  const int c0 = u * VEC;
+  const int c1 = c0 + HALF;
+  constexpr int PACKETS = INTERLEAVED ? 1 : 2;
+  Packet<T, VEC> raw[PACKETS];
+  // Out of place, x is read-only for the whole launch (the launcher rejects
+  // outputs overlapping inputs): its packets go through the non-coherent
+  // path (bshd/sbhd bf16 on the H100: +0.4-0.9% of copy).
+  if (x_data != out_data) {
+    raw[0] = load_read_only<T, VEC>(x + c0);
+    if constexpr (PACKETS == 2) raw[1] = load_read_only<T, VEC>(x + c1);
+  } else {
+    raw[0] = load_raw<T, VEC>(x + c0, 1);
+    if constexpr (PACKETS == 2) raw[1] = load_raw<T, VEC>(x + c1, 1);
+  }
+  if (rotate == 0) {  // v of a fused QKV split: copied unchanged
+#pragma unroll
+    for (int q = 0; q < PACKETS; ++q)
+      store_raw<T, VEC>(out + (q == 0 ? c0 : c1), 1, raw[q]);
+    return;
+  }
+
+  float c[FREQS], s[FREQS];
+  const int f0 = INTERLEAVED ? c0 / 2 : c0;
+  i64 pos = 0;
+  const bool valid = token_position<POS_MODE>(p, token, outer, inner, 0, pos);
+  angles<SOURCE, AngleT, FREQS, TABLE_STRIDED>(p, pos, valid, f0, c, s);
+
+  if constexpr (INTERLEAVED) {
+    float v[VEC];
+    to_floats(raw[0], v);
+#pragma unroll
+    for (int i = 0; i < FREQS; ++i) {
+      const float a = v[2 * i], b = v[2 * i + 1];
+      v[2 * i] = rotated_first(a, b, c[i], s[i]);
+      v[2 * i + 1] = rotated_second(a, b, c[i], s[i]);
+    }
+    store<T, VEC>(out + c0, 1, v);
+  } else {
+    float a[VEC], b[VEC];
+    to_floats(raw[0], a);
+    to_floats(raw[1], b);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float ai = a[i], bi = b[i];
+      a[i] = rotated_first(ai, bi, c[i], s[i]);
+      b[i] = rotated_second(ai, bi, c[i], s[i]);
+    }
+    store<T, VEC>(out + c0, 1, a);
+    store<T, VEC>(out + c1, 1, b);
+  }
+}
+
+}  // namespace rope
