@@ -50,7 +50,7 @@ VARLEN_FEW_SEQS_MIN_TOKENS = 4
 # packet_kernel (kernels/packet.cu) for full rotary on 16-byte aligned views
 # with a unit channel stride: one packet per thread, a short prologue.
 PACKET_KERNELS = True
-PACKET_THREADS = 256  # threads per block (kernels/packet.cu PACKET_THREADS)
+PACKET_THREADS = 256  # threads per block, at most kernels/packet.cu PACKET_THREADS (its launch bounds)
 MAX_PACKET_UNITS = 1 << 31  # packet_kernel indexes a slab's units in 32 bits
 MAX_SLABS = 3
 MAX_HEADS = 1 << 30  # heads per token (kernels/rope.cu indexes heads in 32 bits)
@@ -114,8 +114,9 @@ def _moving_views(call: Call):
     return list(dict.fromkeys(views))
 
 
-def choose_spec(call: Call) -> Spec:
-    """The kernel instantiation for ``call`` (outputs must be described)."""
+def choose_spec(call: Call, packets: bool = True) -> Spec:
+    """The kernel instantiation for ``call`` (outputs must be described);
+    ``packets=False``: rope_kernel's, also where packet_kernel would run."""
     d, r = call.head_dim, call.rotary_dim
     half = r // 2
     views = _moving_views(call)
@@ -181,7 +182,7 @@ def choose_spec(call: Call) -> Spec:
     # search.
     vec_bytes = (2 * pairs if call.interleaved else pairs) * item
     units = spec.rot_items  # packet_kernel threads per head
-    if (PACKET_KERNELS and r == d and not strided and vec_bytes == MAX_VECTOR_BYTES
+    if (packets and PACKET_KERNELS and r == d and not strided and vec_bytes == MAX_VECTOR_BYTES
             and units & (units - 1) == 0 and call.pos_mode in (IMPLIED, EXPLICIT)
             and call.tokens * max_heads * units < MAX_PACKET_UNITS):
         return dataclasses.replace(spec, unroll=1, mapping="packets")
@@ -583,9 +584,10 @@ def shipped_specs() -> list:
     (implied, explicit, varlen, per-axis), plus the element-by-element path
     for a strided last axis; and the same for one head per token with implied
     positions. (The launcher picks the UNROLL 1 kernels for one head per token
-    and for partial rotary in place.) The CPU tests compile all of them with
-    NVRTC. Specs are derived by running :func:`choose_spec` on shape-only
-    descriptions, so the list follows the launch policy.
+    and for partial rotary in place, and packet_kernel where it can, with
+    rope_kernel's twin for calls too large for it.) The CPU tests compile
+    all of them with NVRTC. Specs are derived by running :func:`choose_spec`
+    on shape-only descriptions, so the list follows the launch policy.
     """
     from .interop import CUDA, Tensor
     from .validate import check_call
@@ -639,4 +641,6 @@ def shipped_specs() -> list:
                                                       inplace=inplace,
                                                       out=None if inplace else out, **kw)
                                     specs.append(choose_spec(call))
+                                    # rope_kernel's twin, for calls of 2^31+ packets
+                                    specs.append(choose_spec(call, packets=False))
     return sorted(set(specs), key=repr)
