@@ -25,6 +25,30 @@ __device__ __forceinline__ float rotated_second(float a, float b, float c, float
   return fmaf(b, c, a * s);
 }
 
+// GPT-J: PAIRS adjacent pairs (v[2i], v[2i + 1]) rotated in place.
+template <int PAIRS>
+__device__ __forceinline__ void rotate_interleaved(float (&v)[2 * PAIRS], const float (&c)[PAIRS],
+                                                   const float (&s)[PAIRS]) {
+#pragma unroll
+  for (int i = 0; i < PAIRS; ++i) {
+    const float a = v[2 * i], b = v[2 * i + 1];
+    v[2 * i] = rotated_first(a, b, c[i], s[i]);
+    v[2 * i + 1] = rotated_second(a, b, c[i], s[i]);
+  }
+}
+
+// NeoX: PAIRS pairs (a[i], b[i]) from the two halves, rotated in place.
+template <int PAIRS>
+__device__ __forceinline__ void rotate_halves(float (&a)[PAIRS], float (&b)[PAIRS],
+                                              const float (&c)[PAIRS], const float (&s)[PAIRS]) {
+#pragma unroll
+  for (int i = 0; i < PAIRS; ++i) {
+    const float ai = a[i], bi = b[i];
+    a[i] = rotated_first(ai, bi, c[i], s[i]);
+    b[i] = rotated_second(ai, bi, c[i], s[i]);
+  }
+}
+
 // theta = pos * inv_freq reduced to about [-pi, pi] without losing the
 // bits a plain fp32 product drops at large positions.
 //

@@ -167,28 +167,27 @@ __device__ __forceinline__ void store_raw(T* p, i64 stride, const Packet<T, N>& 
   }
 }
 
-// Two floats as one 32-bit word of two 16-bit values (lo first in memory).
-template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
-
-template <> __device__ __forceinline__ unsigned pack2<bf16>(float lo, float hi) {
-#if __CUDA_ARCH__ >= 800
+// Two floats as one 32-bit word of two 16-bit values (lo first in memory):
+// one cvt.rn.{bf16,f16}x2.f32 on sm_80+, else two conversions.
+__device__ __forceinline__ unsigned cvt_x2(bf16*, float lo, float hi) {
   unsigned r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
-#else
-  return static_cast<unsigned>(from_float<bf16>(lo).bits) |
-         (static_cast<unsigned>(from_float<bf16>(hi).bits) << 16);
-#endif
 }
 
-template <> __device__ __forceinline__ unsigned pack2<f16>(float lo, float hi) {
-#if __CUDA_ARCH__ >= 800
+__device__ __forceinline__ unsigned cvt_x2(f16*, float lo, float hi) {
   unsigned r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+}
+
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+  return cvt_x2(static_cast<T*>(nullptr), lo, hi);
 #else
-  return static_cast<unsigned>(from_float<f16>(lo).bits) |
-         (static_cast<unsigned>(from_float<f16>(hi).bits) << 16);
+  return static_cast<unsigned>(from_float<T>(lo).bits) |
+         (static_cast<unsigned>(from_float<T>(hi).bits) << 16);
 #endif
 }
 

@@ -52,35 +52,16 @@ __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) 
   constexpr int UNITS = INTERLEAVED ? HEAD_DIM / VEC : HALF / VEC;
   constexpr int FREQS = INTERLEAVED ? VEC / 2 : VEC;
 
-  // The block's slab (block-uniform) and the fields this kernel uses.
-  const int k = block_slab(p);
-  const void* x_data = p.x_data[0];
-  void* out_data = p.out_data[0];
-  View xv = p.slab[0].x, ov = p.slab[0].out;
-  i64 begin = p.slab[0].block_begin, n_heads = p.slab[0].n_heads;
-  i64 per_group = p.slab[0].heads_per_group, rotate = p.slab[0].rotate;
-  i64 head_mul = p.slab[0].head_mul, head_shift = p.slab[0].head_shift;
-#pragma unroll
-  for (int i = 1; i < MAX_SLABS; ++i) {
-    if (k == i) {
-      x_data = p.x_data[i];
-      out_data = p.out_data[i];
-      xv = p.slab[i].x;
-      ov = p.slab[i].out;
-      begin = p.slab[i].block_begin;
-      n_heads = p.slab[i].n_heads;
-      per_group = p.slab[i].heads_per_group;
-      rotate = p.slab[i].rotate;
-      head_mul = p.slab[i].head_mul;
-      head_shift = p.slab[i].head_shift;
-    }
-  }
+  const auto [sl, x_data, out_data] = block_slab(p);
+  const View& xv = sl.x;
+  const View& ov = sl.out;
+  const i64 n_heads = sl.n_heads, per_group = sl.heads_per_group;
   // (The launcher keeps every slab below 2^31 units: 32-bit index math.)
-  const unsigned block_unit = (blockIdx.x - static_cast<unsigned>(begin)) * blockDim.x;
+  const unsigned block_unit = (blockIdx.x - static_cast<unsigned>(sl.block_begin)) * blockDim.x;
   const unsigned unit = block_unit + threadIdx.x;
   const unsigned row = unit / UNITS;
   const int u = static_cast<int>(unit - row * UNITS);
-  const unsigned token = divide(row, head_mul, head_shift);
+  const unsigned token = divide(row, sl.head_mul, sl.head_shift);
   const int h = static_cast<int>(row - token * static_cast<unsigned>(n_heads));
   if (token >= static_cast<unsigned>(p.n_outer * p.n_inner)) return;  // the last block's spares
   unsigned outer = 0, inner = token;
@@ -109,7 +90,7 @@ __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) 
     raw[0] = load_raw<T, VEC>(x + c0, 1);
     if constexpr (PACKETS == 2) raw[1] = load_raw<T, VEC>(x + c1, 1);
   }
-  if (rotate == 0) {  // v of a fused QKV split: copied unchanged
+  if (sl.rotate == 0) {  // v of a fused QKV split: copied unchanged
 #pragma unroll
     for (int q = 0; q < PACKETS; ++q)
       store_raw<T, VEC>(out + (q == 0 ? c0 : c1), 1, raw[q]);
@@ -125,23 +106,13 @@ __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) 
   if constexpr (INTERLEAVED) {
     float v[VEC];
     to_floats(raw[0], v);
-#pragma unroll
-    for (int i = 0; i < FREQS; ++i) {
-      const float a = v[2 * i], b = v[2 * i + 1];
-      v[2 * i] = rotated_first(a, b, c[i], s[i]);
-      v[2 * i + 1] = rotated_second(a, b, c[i], s[i]);
-    }
+    rotate_interleaved(v, c, s);
     store<T, VEC>(out + c0, 1, v);
   } else {
     float a[VEC], b[VEC];
     to_floats(raw[0], a);
     to_floats(raw[1], b);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const float ai = a[i], bi = b[i];
-      a[i] = rotated_first(ai, bi, c[i], s[i]);
-      b[i] = rotated_second(ai, bi, c[i], s[i]);
-    }
+    rotate_halves(a, b, c, s);
     store<T, VEC>(out + c0, 1, a);
     store<T, VEC>(out + c1, 1, b);
   }

@@ -110,15 +110,26 @@ __device__ __forceinline__ i64 head_offset(const View& v, int j, bool grouped, i
   return static_cast<i64>(g) * v.stride_group + static_cast<i64>(j - g * per_group) * v.stride_head;
 }
 
-// The slab of this block (block-uniform): slab k covers blockIdx.x from
-// slab[k].block_begin on. Selected with compile-time indices only, so the
-// parameter struct is never copied to local memory.
-__device__ __forceinline__ int block_slab(const Params& p) {
+// The slab of this block (block-uniform) and its data pointers: slab k
+// covers blockIdx.x from slab[k].block_begin on. Selected with compile-time
+// indices only, so the parameter struct is never copied to local memory
+// (and only the fields a kernel reads are kept).
+struct BlockSlab {
+  Slab sl;
+  const void* x_data;
+  void* out_data;
+};
+
+__device__ __forceinline__ BlockSlab block_slab(const Params& p) {
   int k = 0;
 #pragma unroll
   for (int i = 1; i < MAX_SLABS; ++i)
     if (i < p.n_slabs && blockIdx.x >= p.slab[i].block_begin) k = i;
-  return k;
+  BlockSlab b{p.slab[0], p.x_data[0], p.out_data[0]};
+#pragma unroll
+  for (int i = 1; i < MAX_SLABS; ++i)
+    if (k == i) b = BlockSlab{p.slab[i], p.x_data[i], p.out_data[i]};
+  return b;
 }
 
 }  // namespace rope

@@ -55,18 +55,7 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
   constexpr int PACKETS = INTERLEAVED ? 1 : 2;
   constexpr int WIDTH = INTERLEAVED ? 2 * PAIRS : PAIRS;
 
-  const int k = block_slab(p);
-  Slab sl = p.slab[0];
-  const void* x_data = p.x_data[0];
-  void* out_data = p.out_data[0];
-#pragma unroll
-  for (int i = 1; i < MAX_SLABS; ++i) {
-    if (k == i) {
-      sl = p.slab[i];
-      x_data = p.x_data[i];
-      out_data = p.out_data[i];
-    }
-  }
+  const auto [sl, x_data, out_data] = block_slab(p);
   // This block: head group `group`, token block `tb` of its slab. Lanes
   // beyond the slab's head_lanes take further tokens.
   // (32-bit index math: block and lane counts are far below 2^31.)
@@ -177,23 +166,13 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
         } else if constexpr (INTERLEAVED) {
           float v[WIDTH];
           to_floats(raw[u][0], v);
-#pragma unroll
-          for (int i = 0; i < PAIRS; ++i) {
-            const float a = v[2 * i], b = v[2 * i + 1];
-            v[2 * i] = rotated_first(a, b, c[i], s[i]);
-            v[2 * i + 1] = rotated_second(a, b, c[i], s[i]);
-          }
+          rotate_interleaved(v, c, s);
           store<T, WIDTH, STRIDED>(o + ch[0] * od, od, v);
         } else {
           float a[PAIRS], b[PAIRS];
           to_floats(raw[u][0], a);
           to_floats(raw[u][1], b);
-#pragma unroll
-          for (int i = 0; i < PAIRS; ++i) {
-            const float ai = a[i], bi = b[i];
-            a[i] = rotated_first(ai, bi, c[i], s[i]);
-            b[i] = rotated_second(ai, bi, c[i], s[i]);
-          }
+          rotate_halves(a, b, c, s);
           store<T, PAIRS, STRIDED>(o + ch[0] * od, od, a);
           store<T, PAIRS, STRIDED>(o + ch[1] * od, od, b);
         }

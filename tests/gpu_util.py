@@ -58,3 +58,17 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 def full_nan(shape, dtype: str, framework: str = "cupy"):
     return to_device(np.full(shape, np.nan, dtype=np_dtype(dtype)), framework)
+
+
+def angle_sources(rng, dtype, rotary_dim, rows):
+    """Every angle source for rotary_dim (inv_freq scaled at random), by name:
+    float32 tables, tables in x's dtype (not for float32), inv_freq, freqs."""
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim)).astype(np.float32)
+    inv_freq *= rng.uniform(0.5, 1.5, inv_freq.shape).astype(np.float32)
+    theta = (np.arange(rows)[:, None] * inv_freq.astype(np.float64)).astype(np.float32)
+    cos, sin = np.cos(theta), np.sin(theta)
+    out = {"table_f32": {"cos": cos, "sin": sin}, "inv_freq": {"inv_freq": inv_freq},
+           "freqs": {"freqs": theta}}
+    if dtype != "float32":
+        out["table_x"] = {"cos": cos.astype(np_dtype(dtype)), "sin": sin.astype(np_dtype(dtype))}
+    return out

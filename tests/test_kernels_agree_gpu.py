@@ -16,21 +16,11 @@ import pytest
 import cupy_rope
 from conftest import assert_close, np_dtype, oracle
 from cupy_rope import api, launch
-from gpu_util import bits, full_nan, to_device, to_host
+from gpu_util import angle_sources, bits, full_nan, to_device, to_host
 
 pytestmark = pytest.mark.gpu
 
 ROWS = 64
-
-
-def _sources(rng, dtype, d):
-    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
-    theta = (np.arange(ROWS)[:, None] * inv_freq.astype(np.float64)).astype(np.float32)
-    out = {"table_f32": {"cos": np.cos(theta), "sin": np.sin(theta)},
-           "inv_freq": {"inv_freq": inv_freq}, "freqs": {"freqs": theta}}
-    if dtype != "float32":
-        out["table_x"] = {k: v.astype(np_dtype(dtype)) for k, v in out["table_f32"].items()}
-    return out
 
 
 def _run(packets: bool, monkeypatch, x_dev, kw_dev, mode, dtype, **common):
@@ -60,7 +50,7 @@ def test_packet_and_heads_kernels_agree(rng, monkeypatch, interleaved, dtype, he
         shape = (b, s, h, head_dim) if layout == "bshd" else (s, b, h, head_dim)
         x = rng.standard_normal(shape).astype(np_dtype(dtype))
         x_dev = to_device(x)
-        for name, src in _sources(rng, dtype, head_dim).items():
+        for name, src in angle_sources(rng, dtype, head_dim, ROWS).items():
             kw = dict(src)
             if positions:
                 kw["positions"] = rng.integers(0, ROWS, (b, s)).astype(np.int32)

@@ -7,7 +7,7 @@ import pytest
 
 import cupy_rope
 from conftest import assert_close, np_dtype, oracle
-from gpu_util import bits, full_nan, to_device, to_host
+from gpu_util import angle_sources, bits, full_nan, to_device, to_host
 
 pytestmark = pytest.mark.gpu
 
@@ -26,18 +26,6 @@ def make_x(rng, layout, dtype, head_dim, b=B, s=S, h=H):
     shape = (b, s, h, head_dim) if layout == "bshd" else (s, b, h, head_dim)
     x = rng.standard_normal(shape).astype(np_dtype(dtype))
     return x, to_device(x)
-
-
-def angle_sources(rng, dtype, rotary_dim, rows):
-    inv_freq = (1.0 / 10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim)).astype(np.float32)
-    inv_freq *= rng.uniform(0.5, 1.5, inv_freq.shape).astype(np.float32)
-    theta = (np.arange(rows)[:, None] * inv_freq.astype(np.float64)).astype(np.float32)
-    cos, sin = np.cos(theta), np.sin(theta)
-    out = {"table_f32": {"cos": cos, "sin": sin}, "inv_freq": {"inv_freq": inv_freq},
-           "freqs": {"freqs": theta}}
-    if dtype != "float32":
-        out["table_x"] = {"cos": cos.astype(np_dtype(dtype)), "sin": sin.astype(np_dtype(dtype))}
-    return out
 
 
 def position_modes(rng, b, s, rows):
