@@ -383,7 +383,8 @@ def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cach
       computed in the kernel: fp32 product reduced exactly, accurate sincos),
       or ``freqs`` [max_position, r/2] angles.
     - Positions: the sequence index by default; ``positions`` ([s] or [b, s];
-      thd: [t]) replaces it; ``offsets`` (int, or [b]; thd: [n_seqs]) is added.
+      thd: [t]) replaces it; ``offsets`` (int, or [b]; thd with ``cu_seqlens``:
+      [n_seqs]) is added.
     - ``cu_seqlens`` (thd): int32 [n_seqs + 1] cumulative lengths; positions
       restart at 0 in every sequence; empty sequences are fine.
     - ``sections`` (M-RoPE, axial RoPE): frequencies per position axis
@@ -405,9 +406,10 @@ def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cach
       full sequences (each length divisible by 2 * cp_size) and x holds
       cu_seqlens[-1] / cp_size tokens; sequence s starts at local token
       cu_seqlens[s] / cp_size (as in Megatron / TransformerEngine).
-    - ``rotary_dim``: defaults to 2 * (width of the angle source); channels
-      [r, d) are copied bit-exact when writing a new array and not touched
-      at all in place.
+    - ``rotary_dim``: set by the angle source (r/2 frequencies); passing it
+      checks that (partial rotary: give a source of r/2 frequencies, e.g.
+      ``cos[:, :r // 2]``). Channels [r, d) are copied bit-exact when
+      writing a new array and not touched at all in place.
     - ``interleaved=False``: NeoX / rotate-half pairs (f, f + r/2);
       ``interleaved=True``: GPT-J pairs (2f, 2f + 1). Each pair (a, b)
       becomes (a cos - b sin, b cos + a sin); ``backward=True`` applies the
@@ -500,8 +502,10 @@ def apply_rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_d
     - ``"concat"``: all q heads, then all k heads, then all v heads (vLLM,
       Hugging Face fused qkv_proj).
     - ``"grouped"``: hk groups, each (hq/hk q heads, 1 k head, 1 v head)
-      (Megatron-LM / TransformerEngine); for hq == hk this is
-      [.., h, 3 * d] with q, k, v side by side per head.
+      (Megatron-LM / TransformerEngine); for hq == hk, q, k and v side by
+      side per head. A [.., groups, (hq/hk + 2) * d] array (TE's shape)
+      goes in flattened ([.., hk * (hq/hk + 2) * d]) or as
+      [.., hq + 2 hk, d].
 
     Returns new q [.., hq, d], k [.., hk, d] and v [.., hk, d] (or out_q,
     out_k, out_v), each contiguous. q and k are rotated as by

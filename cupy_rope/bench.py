@@ -86,6 +86,7 @@ class Workload(NamedTuple):
     strided: bool = False
     n_seqs: int = 0            # thd: number of packed sequences
     max_position: int = 0      # decode: rows of the cos|sin cache
+    interleaved: bool = False  # GPT-J pairs (2f, 2f + 1); else NeoX (f, f + r/2)
 
     @property
     def head_dim(self) -> int:
@@ -172,6 +173,8 @@ WORKLOADS = [
           rotary_frac=f) for f in (0.5, 0.25)],
     _wl("bshd-contig", "bf16 bshd [4,4096,32,128] contiguous, out of place "
         "(the strided row's twin)", "single", "bshd", (4, 4096, 32, 128)),
+    _wl("bshd-gptj", "bf16 bshd [4,4096,32,128] GPT-J (interleaved) pairs, out of place",
+        "single", "bshd", (4, 4096, 32, 128), interleaved=True),
     _wl("bshd-strided", "bf16 [4,4096,32,128] bshd view of a [4,32,4096,128] bhsd tensor, "
         "out of place", "single", "bshd", (4, 4096, 32, 128), strided=True),
 ]
@@ -538,7 +541,7 @@ def prepare_ours(w: Workload, ctx: Context, env: _Env):
     r = w.rotary_dim
     cos, sin = ctx.cos_half, ctx.sin_half
     if w.kind in ("single", "thd"):
-        kw = {"layout": w.layout, "rotary_dim": r}
+        kw = {"layout": w.layout, "rotary_dim": r, "interleaved": w.interleaved}
         if w.kind == "thd":
             kw["cu_seqlens"] = ctx.cu_seqlens
         if w.mode == "inplace":
@@ -588,9 +591,12 @@ def reference(w: Workload, ctx: Context, tensors, backward: bool, torch):
     out = []
     for t in tensors:
         y = t.float().clone()
-        a, b = y[..., :h].clone(), y[..., h: 2 * h].clone()
-        y[..., :h] = a * c - b * s
-        y[..., h: 2 * h] = b * c + a * s
+        # NeoX pairs (f, f + h); GPT-J pairs (2f, 2f + 1).
+        ia, ib = (slice(0, 2 * h, 2), slice(1, 2 * h, 2)) if w.interleaved else (
+            slice(0, h), slice(h, 2 * h))
+        a, b = y[..., ia].clone(), y[..., ib].clone()
+        y[..., ia] = a * c - b * s
+        y[..., ib] = b * c + a * s
         out.append(y)
     return out
 
@@ -810,6 +816,30 @@ def _time_host(out, name, fn, calls, label=None, repeats=None):
          f"{repeats} passes of {calls}; {min(runs):.2f}-{max(runs):.2f})")
 
 
+def _time_bare_launch(out, fw, rope, calls):
+    """The kernel of ``rope``'s cached qk_ plan, launched with its packed
+    parameters straight through CuPy's driver.launchKernel on the same
+    stream, with a grid of one block (the GPU runs such launches faster than
+    the host issues them, so this times the host): the part of a call that
+    is the driver's (out[fw + "_launch_us_per_call"]); the rest of the bound
+    call is Python (out[fw + "_python_us_per_call"])."""
+    from cupy.cuda import driver
+
+    from . import launch
+
+    go = next(iter(rope._fast.values()), None) if rope._fast else None
+    plan = go.__globals__.get("plan") if go is not None else None
+    if not isinstance(plan, launch.Plan) or plan.empty:
+        return
+    args = plan.own_buffer()[1]
+    stream = plan.stream(plan.device_id)
+    _time_host(out, f"{fw}_launch", lambda: driver.launchKernel(
+        plan.kernel, 1, 1, 1, *plan.dims[3:], 0, stream, args, 0), calls,
+        "the same kernel launched bare (one block)")
+    out[f"{fw}_python_us_per_call"] = (out[f"{fw}_bound_us_per_call"]
+                                       - out[f"{fw}_launch_us_per_call"])
+
+
 def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=20,
                   peer_objs=()) -> dict:
     """Microseconds per call of a cached decode step (q32/k8 d128, 64 tokens,
@@ -845,9 +875,15 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
                 pos = kw["positions"]
                 _time_host(out, f"{fw}_bound", lambda: rope.qk_(q, k, pos), calls,
                            "RotaryEmbedding.qk_")
+                _time_bare_launch(out, fw, rope, calls)
         except Exception as exc:  # noqa: BLE001
             out[f"{fw}_error"] = f"{exc.__class__.__name__}: {exc}"
             _log(f"host: {fw} failed: {out[f'{fw}_error']}")
+    if env.torch is not None:
+        # The host's own speed, for reading the numbers above across machines:
+        # torch's cheapest call that launches a kernel.
+        small = env.torch.zeros(16, device="cuda")
+        _time_host(out, "torch_add", lambda: small.add_(1), calls, "torch x.add_(1), 16 floats")
     out["peers_us_per_call"] = {}
     for p in peer_objs:
         try:
@@ -1014,7 +1050,7 @@ def acceptance(result) -> list:
             if not is_row(w):
                 continue
             twins = [m for m, v in wdefs.items()
-                     if twin_is(v) and all(v[k] == w[k] for k in twin_keys)]
+                     if twin_is(v) and all(v.get(k) == w.get(k) for k in twin_keys)]
             if not twins:
                 continue
             for d in ("fwd", "bwd"):
@@ -1031,13 +1067,15 @@ def acceptance(result) -> list:
     against_twin(
         "3", "partial rotary in place <= (fraction + 0.1) x full rotary time",
         lambda w: w["mode"] == "inplace" and w["rotary_frac"] < 1.0,
-        ("mode", "shape", "dtype", "layout", "kind"), lambda v: v["rotary_frac"] == 1.0,
+        ("mode", "shape", "dtype", "layout", "kind", "interleaved"),
+        lambda v: v["rotary_frac"] == 1.0,
         lambda w: w["rotary_frac"] + 0.1,
         lambda n, d, r, lim: f"{n} {d} {r:.3f} (<= {lim:.2f})",
         "needs partial and full in-place rows")
     against_twin(
         "4", "strided input within 5% of its contiguous twin", lambda w: w["strided"],
-        ("shape", "dtype", "layout", "mode", "kind", "rotary_frac"), lambda v: not v["strided"],
+        ("shape", "dtype", "layout", "mode", "kind", "rotary_frac", "interleaved"),
+        lambda v: not v["strided"],
         lambda w: 1.05, lambda n, d, r, lim: f"{d} {r:.3f}", "needs a strided row and its twin")
 
     host = result.get("host")
@@ -1057,7 +1095,9 @@ def acceptance(result) -> list:
                 continue
             bound = host.get(f"{fw}_bound_us_per_call")
             if bound is not None:
-                details.append(f"{fw} {bound:.2f} us bound ({v:.2f} us apply_rope_qk)")
+                py = host.get(f"{fw}_python_us_per_call")
+                split = (f", of which Python {py:.2f} us" if py is not None else "")
+                details.append(f"{fw} {bound:.2f} us bound{split} ({v:.2f} us apply_rope_qk)")
                 v = bound
             else:
                 details.append(f"{fw} {v:.2f} us")
@@ -1102,7 +1142,10 @@ def format_host(host) -> str:
     for fw in ("torch", "cupy"):
         v = host.get(f"{fw}_us_per_call")
         bound = host.get(f"{fw}_bound_us_per_call")
-        parts.append((f"{fw} {v:.2f} us" + (f" (RotaryEmbedding.qk_ {bound:.2f} us)"
+        py, bare = host.get(f"{fw}_python_us_per_call"), host.get(f"{fw}_launch_us_per_call")
+        split = (f": driver launch {bare:.2f} us + Python {py:.2f} us"
+                 if py is not None else "")
+        parts.append((f"{fw} {v:.2f} us" + (f" (RotaryEmbedding.qk_ {bound:.2f} us{split})"
                                              if bound is not None else ""))
                      if v is not None else f"{fw} failed ({host.get(f'{fw}_error', '?')})")
     g = host.get("graph_us_per_call")
@@ -1112,6 +1155,9 @@ def format_host(host) -> str:
             f"  end to end per call, median of {host.get('repeats', 1)} passes of "
             f"{host['calls']} calls: " + ", ".join(parts) + "\n"
             f"  CUDA graph of {host['graph_calls']} calls, replayed: {gs}")
+    if host.get("torch_add_us_per_call") is not None:
+        text += (f"\n  this host's speed: torch x.add_(1) on 16 floats "
+                 f"{host['torch_add_us_per_call']:.2f} us per call")
     if host.get("peers_us_per_call"):
         text += "\n  peers, end to end per call (torch): " + ", ".join(
             f"{k} {v:.2f} us" for k, v in host["peers_us_per_call"].items())

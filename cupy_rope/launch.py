@@ -172,20 +172,26 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
     unroll = 1 if max_heads < UNROLL or partial_in_place else UNROLL
     spec = Spec(call.dtype, tables[0].dtype, d, r, call.interleaved, call.source, pairs,
                 tail_vec, strided, table_strided, copy_tail, unroll, call.pos_mode)
-    # Full rotary with 16-byte packets, a power-of-two number of them per
+    # Full rotary with 16-byte packets, a power-of-two number of threads per
     # head (warps cover whole heads) and implied or explicit positions:
-    # packet_kernel, one thread per packet (NeoX: per pair of packets).
+    # packet_kernel, two packets per thread (GPT-J fp32: one).
     # (bshd/sbhd bf16 on the H100: 0.979-0.986 -> 0.992-0.996 of copy;
     # d80/d96 bf16, 5/6 pairs of packets per head: 0.95/0.98 -> 0.95/0.93,
     # so those stay with rope_kernel; docs/perf-notes.md.) cu_seqlens stay
     # with rope_kernel, whose blocks of several tokens share one sequence
     # search.
-    vec_bytes = (2 * pairs if call.interleaved else pairs) * item
-    units = spec.rot_items  # packet_kernel threads per head
-    if (packets and PACKET_KERNELS and r == d and not strided and vec_bytes == MAX_VECTOR_BYTES
-            and units & (units - 1) == 0 and call.pos_mode in (IMPLIED, EXPLICIT)
+    vec = 2 * pairs if call.interleaved else pairs  # channels per packet
+    packet_spec = dataclasses.replace(spec, unroll=1, mapping="packets")
+    units = packet_spec.rot_items  # packet_kernel threads per head
+    # (A thread's packets are NeoX partners, half a head apart, or two
+    # adjacent GPT-J packets; GPT-J fp32 takes one.)
+    units_tile = (half % vec == 0 if not call.interleaved
+                  else item == 4 or d % (2 * vec) == 0)
+    if (packets and PACKET_KERNELS and r == d and not strided and vec * item == MAX_VECTOR_BYTES
+            and units_tile and units >= 1 and units & (units - 1) == 0
+            and call.pos_mode in (IMPLIED, EXPLICIT)
             and call.tokens * max_heads * units < MAX_PACKET_UNITS):
-        return dataclasses.replace(spec, unroll=1, mapping="packets")
+        return packet_spec
     if spec.rot_items + spec.tail_items > THREADS_PER_BLOCK:
         raise ValueError(f"x: head_dim {d} with rotary_dim {r} on a last axis with stride != 1 "
                          f"(or unaligned) needs {spec.rot_items + spec.tail_items} threads per "

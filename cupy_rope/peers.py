@@ -75,8 +75,23 @@ def rope_formula(x, cos, sin):
     return torch.cat((xr * cos + rotate_half(xr) * sin, x[..., r:]), dim=-1)
 
 
+def rotate_every_two(x):
+    """GPT-J's partner of every channel: (x0, x1) -> (-x1, x0) per pair."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def rope_formula_interleaved(x, cos, sin):
+    """GPT-J RoPE on all of x, as GPT-J-style models write it: cos and sin
+    with every angle repeated twice (f0 f0 f1 f1 ...)."""
+    return x * cos + rotate_every_two(x) * sin
+
+
 def _formula_x(x, cos, sin):
     return rope_formula(x, cos, sin)
+
+
+def _formula_x_interleaved(x, cos, sin):
+    return rope_formula_interleaved(x, cos, sin)
 
 
 def _formula_x_gather(x, cos_t, sin_t, pos):
@@ -93,10 +108,15 @@ def _formula_qk_gather(q, k, cos_t, sin_t, pos):
     return rope_formula(q, cos, sin), rope_formula(k, cos, sin)
 
 
-def full_tables(ctx, dtype, negate_sin=False):
-    """Duplicated-halves [P, r] cos and sin tables in ``dtype`` (HF style)."""
-    cos = torch.cat((ctx.cos_half, ctx.cos_half), dim=-1)
-    sin = torch.cat((ctx.sin_half, ctx.sin_half), dim=-1)
+def full_tables(ctx, dtype, negate_sin=False, interleaved=False):
+    """[P, r] cos and sin tables in ``dtype``: duplicated halves (HF style),
+    or (interleaved) every column repeated twice."""
+    if interleaved:
+        cos = ctx.cos_half.repeat_interleave(2, dim=-1)
+        sin = ctx.sin_half.repeat_interleave(2, dim=-1)
+    else:
+        cos = torch.cat((ctx.cos_half, ctx.cos_half), dim=-1)
+        sin = torch.cat((ctx.sin_half, ctx.sin_half), dim=-1)
     if negate_sin:
         sin = -sin
     return cos.to(dtype).contiguous(), sin.to(dtype).contiguous()
@@ -145,14 +165,19 @@ class TorchFormula(Peer):
 
     def _fn(self, which):
         return {"x": _formula_x, "x_gather": _formula_x_gather,
-                "qk": _formula_qk, "qk_gather": _formula_qk_gather}[which]
+                "qk": _formula_qk, "qk_gather": _formula_qk_gather,
+                "x_interleaved": _formula_x_interleaved}[which]
 
     def prepare(self, w, ctx):
         dtype = _torch_dtype(w.dtype)
-        tables = {b: full_tables(ctx, dtype, negate_sin=b) for b in (False, True)}
+        tables = {b: full_tables(ctx, dtype, negate_sin=b, interleaved=w.interleaved)
+                  for b in (False, True)}
         names = _rotated_names(w)
         gather = w.layout == "thd"
+        if w.interleaved and (gather or len(names) == 2 or w.rotary_dim != w.head_dim):
+            return "n/a: the GPT-J formula here covers full rotary on one bshd/sbhd tensor"
         which = ("qk" if len(names) == 2 else "x") + ("_gather" if gather else "")
+        which += "_interleaved" * w.interleaved
         fn = self._fn(which)
         if gather:
             pos = ctx.positions
@@ -236,6 +261,8 @@ class Liger(Peer):
         from liger_kernel.ops.rope import rope_backward, rope_forward
 
         names = _rotated_names(w)
+        if w.interleaved:
+            return "n/a: Liger's RoPE rotates NeoX halves only"
         if w.layout == "sbhd" and w.shape[1] != 1:
             return "n/a: sbhd with batch > 1 (Liger's rows are batch-major [b, s])"
         heads = w.shape[-2]
@@ -348,7 +375,8 @@ class FlashInfer(Peer):
             ar = torch.arange(ctx.seq_len, device=ctx.cos_half.device)
             pos = ar.repeat(bsz) if w.layout == "bshd" else ar.repeat_interleave(bsz)
         rows = pos.numel()
-        call = {b: (lambda q2, k2, _c=caches[b]: fn(pos, q2, k2, d, _c, True))
+        neox = not w.interleaved
+        call = {b: (lambda q2, k2, _c=caches[b]: fn(pos, q2, k2, d, _c, neox))
                 for b in (False, True)}
         h2 = heads // 2
         if len(names) == 2:

@@ -25,6 +25,8 @@ if not KERNEL_DIR.is_dir():  # running from a source checkout
 #: No fast-math: sincosf keeps its full-accuracy range reduction.
 NVRTC_OPTIONS = ("-std=c++17",)
 
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
 # C++ spelling of each storage dtype.
 CXX_TYPES = {
     "float32": "float",
@@ -67,7 +69,11 @@ class Spec:
 
     @property
     def rot_items(self) -> int:
-        """Threads per head for the rotated channels (packet_kernel: per head)."""
+        """Threads per head for the rotated channels (packet_kernel: per head;
+        a thread takes two packets, except GPT-J fp32, one: kernels/packet.cu)."""
+        if self.mapping == "packets" and self.interleaved:
+            packets = self.rotary_dim // (2 * self.pairs)
+            return packets if ITEMSIZE[self.dtype] == 4 else packets // 2
         return self.rotary_dim // 2 // self.pairs
 
     @property

@@ -132,6 +132,28 @@ __device__ __forceinline__ void to_floats(const Packet<T, N>& pk, float (&out)[N
   for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
 }
 
+// bfloat16 pairs straight from 32-bit words: the first element is the word
+// shifted up, the second the word with its low half cleared. (Element by
+// element, the compiler extracts every 16-bit value into a register of its
+// own first: bf16 NeoX packet_kernel took 48 registers, 5 blocks per SM,
+// against fp16's 39 and 6 blocks, and ran 1-6% slower depending on where
+// the tables sat in memory; docs/perf-notes.md.)
+template <int N>
+__device__ __forceinline__ void to_floats(const Packet<bf16, N>& pk, float (&out)[N]) {
+  if constexpr (N % 2 == 0) {
+    unsigned w[N / 2];
+    memcpy(w, &pk, sizeof(w));
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
+  }
+}
+
 // Store BYTES (4, 8 or a multiple of 16) from 32-bit words as 16-, 8- or
 // 4-byte vector stores. Written in PTX: a struct copy of 16-bit elements
 // assembled from separate registers can be split by the compiler into

@@ -1,5 +1,4 @@
-// Rotary position embedding with one 16-byte packet (or NeoX pair of
-// packets) per thread: the kernel for full rotary (rotary_dim == head_dim)
+// Rotary position embedding with two 16-byte packets (or one) per thread: the kernel for full rotary (rotary_dim == head_dim)
 // on 16-byte aligned views with a unit channel stride, which is what most
 // calls are. Same Params, angles, positions and math as rope_kernel
 // (kernels/rope.cu):
@@ -17,8 +16,9 @@
 //   row   = unit / UNITS                 (compile time; a row is one head of one token)
 //   token = row / n_heads                (multiply by a host-made reciprocal)
 //   outer = token / n_inner              (the same; skipped for one batch entry)
-// A unit is, for GPT-J, one packet of VEC channels (VEC / 2 pairs); for
-// NeoX, the packets at channels f and f + HALF (VEC pairs). (One output
+// A unit is, for NeoX, the packets at channels c0 and c0 + HALF (rotation
+// partners, VEC pairs); for GPT-J with 16-bit elements, two adjacent
+// packets (VEC pairs); for GPT-J fp32, one packet (VEC / 2 pairs). (One output
 // packet per thread with its rotate-half partner re-read, the layout of
 // torch.compile's kernel, measured 0.86-0.93 of copy here against 0.99 for
 // pairs.) Positions: implied or explicit; rope_kernel keeps cu_seqlens
@@ -45,12 +45,22 @@ template <typename T, typename AngleT, int HEAD_DIM, bool INTERLEAVED, int SOURC
 __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) {
   static_assert(HEAD_DIM % 2 == 0, "even head_dim");
   constexpr int HALF = HEAD_DIM / 2;
-  static_assert(INTERLEAVED ? (VEC % 2 == 0 && HEAD_DIM % VEC == 0) : HALF % VEC == 0,
-                "packets tile the head");
+  // Packets per thread: NeoX, the rotation partners at channels c0 and
+  // c0 + HALF; GPT-J with 16-bit elements, two adjacent packets (a thread
+  // moves as many bytes, and reads as many table bytes, as a NeoX one);
+  // GPT-J fp32, one. (bf16 GPT-J on the H100: one packet 0.95-0.976 of
+  // copy, two adjacent 0.987-0.994, two half a head apart 0.89-0.998 with
+  // the tables' placement in memory; fp32 GPT-J, one packet: 1.00;
+  // docs/perf-notes.md.)
+  constexpr int PACKETS = INTERLEAVED && sizeof(T) == 4 ? 1 : 2;
+  static_assert(INTERLEAVED ? VEC % 2 == 0 : true, "GPT-J packets hold whole pairs");
+  static_assert(INTERLEAVED ? HEAD_DIM % (PACKETS * VEC) == 0 : HALF % VEC == 0,
+                "a head is a whole number of units");
   static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
-  // Units per row, and angles (frequencies) per unit.
-  constexpr int UNITS = INTERLEAVED ? HEAD_DIM / VEC : HALF / VEC;
-  constexpr int FREQS = INTERLEAVED ? VEC / 2 : VEC;
+  // Units (threads) per row, and angles (frequencies) per packet.
+  constexpr int UNITS = INTERLEAVED ? HEAD_DIM / (PACKETS * VEC) : HALF / VEC;
+  // Frequencies per unit: GPT-J's two packets are adjacent, (PACKETS * VEC) / 2 pairs.
+  constexpr int FREQS = INTERLEAVED ? PACKETS * VEC / 2 : VEC;
 
   const auto [sl, x_data, out_data] = block_slab(p);
   const View& xv = sl.x;
@@ -75,10 +85,9 @@ __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) 
   T* out = static_cast<T*>(out_data) + outer * ov.stride_outer + inner * ov.stride_inner +
            head_offset(ov, h, grouped, static_cast<int>(per_group));
 
-  // This unit's channels: c0 (and, NeoX, the second packet c1).
-  const int c0 = u * VEC;
-  const int c1 = c0 + HALF;
-  constexpr int PACKETS = INTERLEAVED ? 1 : 2;
+  // This unit's channels: c0 (and, with two packets, c1).
+  const int c0 = u * (INTERLEAVED ? PACKETS * VEC : VEC);
+  const int c1 = INTERLEAVED ? c0 + VEC : c0 + HALF;
   Packet<T, VEC> raw[PACKETS];
   // Out of place, x is read-only for the whole launch (the launcher rejects
   // outputs overlapping inputs): its packets go through the non-coherent
@@ -97,19 +106,30 @@ __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) 
     return;
   }
 
-  float c[FREQS], s[FREQS];
-  const int f0 = INTERLEAVED ? c0 / 2 : c0;
   i64 pos = 0;
   const bool valid = token_position<POS_MODE>(p, token, outer, inner, 0, pos);
-  angles<SOURCE, AngleT, FREQS, TABLE_STRIDED>(p, pos, valid, f0, c, s);
-
   if constexpr (INTERLEAVED) {
-    float v[VEC];
-    to_floats(raw[0], v);
+    // PACKETS adjacent packets of whole pairs: frequencies c0 / 2 on.
+    float c[FREQS], s[FREQS], v[2 * FREQS];
+    angles<SOURCE, AngleT, FREQS, TABLE_STRIDED>(p, pos, valid, c0 / 2, c, s);
+#pragma unroll
+    for (int q = 0; q < PACKETS; ++q) {
+      float part[VEC];
+      to_floats(raw[q], part);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[q * VEC + i] = part[i];
+    }
     rotate_interleaved(v, c, s);
-    store<T, VEC>(out + c0, 1, v);
+#pragma unroll
+    for (int q = 0; q < PACKETS; ++q) {
+      float part[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) part[i] = v[q * VEC + i];
+      store<T, VEC>(out + (q == 0 ? c0 : c1), 1, part);
+    }
   } else {
-    float a[VEC], b[VEC];
+    float c[FREQS], s[FREQS], a[VEC], b[VEC];
+    angles<SOURCE, AngleT, FREQS, TABLE_STRIDED>(p, pos, valid, c0, c, s);
     to_floats(raw[0], a);
     to_floats(raw[1], b);
     rotate_halves(a, b, c, s);

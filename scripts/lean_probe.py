@@ -5,7 +5,7 @@ against cupy_rope.apply_rope on the same arrays? (GPU machine.)
     PYTHONPATH=. python3 scripts/lean_probe.py
 
 Kernel A writes one 16-byte output group per thread and re-reads its
-rotate-half partner; kernels B rotate (f, f + 64) pairs of groups for 1, 2
+rotate-half partner; kernel C gets the partner by a warp shuffle; kernels B rotate (f, f + 64) pairs of groups for 1, 2
 or 4 heads per thread. Results and what they mean: docs/perf-notes.md (v7).
 Each kernel's output is compared with apply_rope's (max abs difference)."""
 import sys
@@ -86,6 +86,31 @@ __device__ void lean_b_body(const u16* __restrict__ x, u16* __restrict__ o, cons
     *reinterpret_cast<uint4*>(o + base + u * 128 + 64) = ob4;
   }
 }
+// C: one 16-byte group per thread like A, but the rotate-half partner comes
+// from the lane 8 away (__shfl_xor_sync) instead of a second load: every
+// load and store instruction of a warp covers 512 contiguous bytes.
+__device__ __forceinline__ void lean_c_body(const u16* __restrict__ x, u16* __restrict__ o,
+    const float* __restrict__ cs, const float* __restrict__ sn, unsigned heads, unsigned n_groups) {
+  const unsigned g = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool live = g < n_groups;           // heads are whole: a live lane's partner is live
+  const unsigned e = (live ? g : n_groups - 1) * 8, c = e & 127, t = e / (heads * 128);
+  const unsigned fi = c & 63;
+  const uint4 xv = *reinterpret_cast<const uint4*>(x + e);
+  float cc[8], ss[8];
+  row8(cs + (size_t)t * 64 + fi, cc);
+  row8(sn + (size_t)t * 64 + fi, ss);
+  uint4 pv;
+  pv.x = __shfl_xor_sync(0xffffffffu, xv.x, 8); pv.y = __shfl_xor_sync(0xffffffffu, xv.y, 8);
+  pv.z = __shfl_xor_sync(0xffffffffu, xv.z, 8); pv.w = __shfl_xor_sync(0xffffffffu, xv.w, 8);
+  const u16* xa = reinterpret_cast<const u16*>(&xv); const u16* pa = reinterpret_cast<const u16*>(&pv);
+  uint4 ov; u16* oa = reinterpret_cast<u16*>(&ov);
+  const float sg = c < 64 ? -1.f : 1.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) oa[i] = h(f(xa[i]) * cc[i] + sg * f(pa[i]) * ss[i]);
+  if (live) *reinterpret_cast<uint4*>(o + e) = ov;
+}
+extern "C" __global__ void __launch_bounds__(128) lean_c(const u16* x, u16* o, const float* cs, const float* sn, unsigned heads, unsigned n) { lean_c_body(x, o, cs, sn, heads, n); }
+extern "C" __global__ void __launch_bounds__(256) lean_c256(const u16* x, u16* o, const float* cs, const float* sn, unsigned heads, unsigned n) { lean_c_body(x, o, cs, sn, heads, n); }
 extern "C" __global__ void __launch_bounds__(128) lean_b1(const u16* x, u16* o, const float* cs, const float* sn, unsigned heads, unsigned n) { lean_b_body<1>(x, o, cs, sn, heads, n); }
 extern "C" __global__ void __launch_bounds__(128) lean_b2(const u16* x, u16* o, const float* cs, const float* sn, unsigned heads, unsigned n) { lean_b_body<2>(x, o, cs, sn, heads, n); }
 extern "C" __global__ void __launch_bounds__(128) lean_b4(const u16* x, u16* o, const float* cs, const float* sn, unsigned heads, unsigned n) { lean_b_body<4>(x, o, cs, sn, heads, n); }
@@ -113,6 +138,12 @@ def main():
             ((n_groups + 127) // 128,), (128,), (x, o, cos, sin, np.uint32(H), np.uint32(n_groups))),
             sets)))
         err = float(abs(sets[0][1].astype(cupy.float32) - ref).max())
+        for name, thr in (("lean_c", 128), ("lean_c256", 256)):
+            k = mod.get_function(name)
+            rows.append((f"C shuffle partner, {thr} thr", time_us(lambda x, o: k(
+                ((n_groups + thr - 1) // thr,), (thr,),
+                (x, o, cos, sin, np.uint32(H), np.uint32(n_groups))), sets)))
+            err = max(err, float(abs(sets[0][1].astype(cupy.float32) - ref).max()))
         for name, hpt, thr in (("lean_b1", 1, 128), ("lean_b2", 2, 128), ("lean_b4", 4, 128),
                                ("lean_b4w", 4, 256)):
             if H % hpt:
@@ -126,7 +157,7 @@ def main():
         print(f"[{T}, {H}, 128] copy {t_copy:.1f} us; max |lean - ours| {err:.3g}")
         for name, t in rows:
             print(f"  {name:28s} {t:7.1f} us  {t_copy / t:.3f} of copy")
-        for fn in ("lean_a", "lean_b1", "lean_b2", "lean_b4"):
+        for fn in ("lean_a", "lean_c", "lean_b1", "lean_b2", "lean_b4"):
             print(f"  {fn} regs", mod.get_function(fn).num_regs, end=";")
         print()
 

@@ -12,8 +12,9 @@ import torch
 
 import cupy_rope
 
-shape = {"sbhd": (4096, 1, 128, 128), "bshd": (4, 4096, 32, 128)}[sys.argv[1]]
-layout = sys.argv[1]
+shape = {"sbhd": (4096, 1, 128, 128), "bshd": (4, 4096, 32, 128),
+         "sbhd24": (512, 32, 24, 128)}[sys.argv[1]]
+layout = sys.argv[1][:4]
 d = shape[-1]
 s_len = shape[0] if layout == "sbhd" else shape[1]
 inv = 1.0 / 10000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)

@@ -200,6 +200,60 @@ def small_probe():
         print(f"{name:40s} {t:9.1f} us  {f:6.3f} of copy", flush=True)
 
 
+def dims_sweep():
+    """Every head_dim the card names, NeoX and GPT-J, bf16 (and fp16 / fp32 at
+    d128), out of place and in place, on bshd [4, 4096, h, d] with h * d = 4096
+    (134 MB each way in bf16), against a same-run copy."""
+    for dtype, d in [("bfloat16", d) for d in (64, 80, 96, 128, 256)] + [("float16", 128),
+                                                                           ("float32", 128)]:
+        dt = bf16() if dtype == "bfloat16" else cupy.dtype(dtype)
+        h = 4096 // d
+        inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
+        th = cupy.arange(4096, dtype=cupy.float32)[:, None] * inv
+        cos, sin = cupy.cos(th), cupy.sin(th)
+        sets = [(cupy.random.standard_normal((4, 4096, h, d), dtype=cupy.float32).astype(dt),
+                 cupy.empty((4, 4096, h, d), dt)) for _ in range(2)]
+        t_copy = copy_us(sets[0][0].nbytes)
+        for inter in (False, True):
+            t = time_us(lambda x, o: cupy_rope.apply_rope(x, cos, sin, out=o, interleaved=inter),
+                        sets)
+            ti = time_us(lambda x, o: cupy_rope.apply_rope(x, cos, sin, inplace=True,
+                                                           interleaved=inter), sets)
+            print(f"{dtype:8s} d{d:<3d} {'gptj' if inter else 'neox'}  out= {t:7.1f} us "
+                  f"{t_copy / t:6.3f} of copy   in place {ti:7.1f} us {t_copy / ti:6.3f}",
+                  flush=True)
+        del sets
+
+
+def placements():
+    """bf16/fp16 bshd [4, 4096, h, d] out of place and in place against the
+    same x with fp32 tables at six places in memory (allocated one after
+    another, of different row counts): how much a kernel's speed depends on
+    where the tables sit (bf16 d128 with 48 registers: 0.945-0.998 of copy)."""
+    for dtype, d in (("bfloat16", 128), ("bfloat16", 64), ("bfloat16", 256), ("float16", 128)):
+        dt = bf16() if dtype == "bfloat16" else cupy.dtype(dtype)
+        h = 4096 // d
+        sets = [(cupy.random.standard_normal((4, 4096, h, d), dtype=cupy.float32).astype(dt),
+                 cupy.empty((4, 4096, h, d), dt)) for _ in range(2)]
+        t_copy = copy_us(sets[0][0].nbytes)
+        inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
+        tables = []
+        for rows in (4096, 70000, 4096, 8192, 16384, 4096):
+            th = cupy.arange(rows, dtype=cupy.float32)[:, None] * inv
+            tables.append((cupy.cos(th), cupy.sin(th)))
+        for inter in (False, True):
+            res = []
+            for cos, sin in tables:
+                t = time_us(lambda x, o: cupy_rope.apply_rope(x, cos, sin, out=o,
+                                                              interleaved=inter), sets)
+                ti = time_us(lambda x, o: cupy_rope.apply_rope(x, cos, sin, inplace=True,
+                                                               interleaved=inter), sets)
+                res.append(f"{t_copy / t:.3f}/{t_copy / ti:.3f}")
+            print(f"{dtype:8s} d{d:<3d} {'gptj' if inter else 'neox'} (of copy, out=/in place): "
+                  + " ".join(res), flush=True)
+        del sets
+
+
 def main(host=True):
     d = 128
     inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
@@ -210,6 +264,12 @@ def main(host=True):
         thd_probe()
     if "--small-probe" in sys.argv:
         small_probe()
+    if "--dims" in sys.argv:
+        dims_sweep()
+    if "--placements" in sys.argv:
+        placements()
+    if "--dims" in sys.argv or "--placements" in sys.argv:
+        return
     if "--thd-probe" in sys.argv or "--small-probe" in sys.argv:
         return
 

@@ -248,6 +248,18 @@ def test_acceptance_decode_uses_the_bound_form_when_measured():
     assert "RotaryEmbedding.qk_ 7.50 us" in bench.format_host(res["host"])
 
 
+def test_host_report_splits_launch_and_python():
+    host = dict(GOOD_HOST, torch_bound_us_per_call=7.5, torch_launch_us_per_call=3.25,
+                torch_python_us_per_call=4.25, torch_add_us_per_call=6.5)
+    text = bench.format_host(host)
+    assert "RotaryEmbedding.qk_ 7.50 us: driver launch 3.25 us + Python 4.25 us" in text
+    assert "torch x.add_(1) on 16 floats 6.50 us" in text
+    res = _all_pass_result()
+    res["host"] = host
+    by = {it["item"]: it for it in bench.acceptance(res)}
+    assert "torch 7.50 us bound, of which Python 4.25 us" in by["5"]["detail"]
+
+
 def test_acceptance_slower_than_peer_and_errors():
     names = ["sbhd-4096x1x128x128", "llama3-8b-prefill-qk"]
     rows = []

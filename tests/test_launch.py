@@ -265,20 +265,31 @@ def test_reciprocal_divides_every_31_bit_numerator(d):
     assert mul < 1 << 33 and shift < 64
 
 
-@pytest.mark.parametrize("head_dim,dtype,mapping", [
-    (64, "bfloat16", "packets"), (128, "float16", "packets"), (256, "float32", "packets"),
-    (80, "bfloat16", "heads"), (96, "bfloat16", "heads"),  # 5 / 6 units per head
-    (96, "float32", "heads"), (32, "float32", "packets"), (16, "bfloat16", "packets"),
-    (4, "float32", "heads")])  # 2-pair packets: 8 bytes
-def test_packet_kernel_needs_power_of_two_packets_per_head(head_dim, dtype, mapping):
+@pytest.mark.parametrize("head_dim,dtype,interleaved,mapping,threads", [
+    (64, "bfloat16", False, "packets", 4), (128, "float16", False, "packets", 8),
+    (256, "float32", False, "packets", 32),
+    (80, "bfloat16", False, "heads", None), (96, "bfloat16", False, "heads", None),  # 5 / 6
+    (96, "float32", False, "heads", None), (32, "float32", False, "packets", 4),
+    (16, "bfloat16", False, "packets", 1),
+    (4, "float32", False, "heads", None),  # 2-pair packets: 8 bytes
+    # GPT-J: two packets per thread (c, c + d/2) for 16-bit elements, one for fp32
+    (128, "bfloat16", True, "packets", 8), (16, "bfloat16", True, "packets", 1),
+    (8, "bfloat16", True, "heads", None),  # one packet per head: no pair to take
+    (96, "bfloat16", True, "heads", None),  # 6 threads per head
+    (128, "float32", True, "packets", 32), (8, "float32", True, "packets", 2)])
+def test_packet_kernel_needs_power_of_two_threads_per_head(head_dim, dtype, interleaved, mapping,
+                                                           threads):
     from cupy_rope.interop import CUDA, Tensor
     from cupy_rope.validate import check_call
 
     h, d = 8, head_dim
     x = Tensor(None, "cupy", 1 << 40, (16, h, d), (h * d, d, 1), dtype, (CUDA, 0), False)
     inv = Tensor(None, "cupy", 1 << 41, (d // 2,), (1,), "float32", (CUDA, 0), False)
-    call = check_call(x, inv_freq=inv, layout="thd", inplace=True)
-    assert launch.choose_spec(call).mapping == mapping
+    call = check_call(x, inv_freq=inv, layout="thd", inplace=True, interleaved=interleaved)
+    spec = launch.choose_spec(call)
+    assert spec.mapping == mapping
+    if threads is not None:
+        assert spec.rot_items == threads
 
 
 @pytest.mark.parametrize("rule,mapping", [("explicit", "packets"), ("varlen", "heads")])
