@@ -172,14 +172,13 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
     unroll = 1 if max_heads < UNROLL or partial_in_place else UNROLL
     spec = Spec(call.dtype, tables[0].dtype, d, r, call.interleaved, call.source, pairs,
                 tail_vec, strided, table_strided, copy_tail, unroll, call.pos_mode)
-    # Full rotary with 16-byte packets, a power-of-two number of threads per
-    # head (warps cover whole heads) and implied or explicit positions:
-    # packet_kernel, two packets per thread (GPT-J fp32: one).
-    # (bshd/sbhd bf16 on the H100: 0.979-0.986 -> 0.992-0.996 of copy;
-    # d80/d96 bf16, 5/6 pairs of packets per head: 0.95/0.98 -> 0.95/0.93,
-    # so those stay with rope_kernel; docs/perf-notes.md.) cu_seqlens stay
-    # with rope_kernel, whose blocks of several tokens share one sequence
-    # search.
+    # Full rotary with 16-byte packets and implied or explicit positions:
+    # packet_kernel, two packets per thread (GPT-J fp32: one). (bshd/sbhd
+    # bf16 on the H100: 0.979-0.986 -> 0.992-0.996 of copy; d80 bf16, 5
+    # threads per head: 0.94-0.95 -> 0.96-0.98 across head counts, d96 GPT-J
+    # 0.93-0.97 -> 0.96-0.99, d96 NeoX within -1%/+1%; docs/perf-notes.md.)
+    # cu_seqlens stay with rope_kernel, whose blocks of several tokens share
+    # one sequence search.
     vec = 2 * pairs if call.interleaved else pairs  # channels per packet
     packet_spec = dataclasses.replace(spec, unroll=1, mapping="packets")
     units = packet_spec.rot_items  # packet_kernel threads per head
@@ -188,7 +187,7 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
     units_tile = (half % vec == 0 if not call.interleaved
                   else item == 4 or d % (2 * vec) == 0)
     if (packets and PACKET_KERNELS and r == d and not strided and vec * item == MAX_VECTOR_BYTES
-            and units_tile and units >= 1 and units & (units - 1) == 0
+            and units_tile and units >= 1
             and call.pos_mode in (IMPLIED, EXPLICIT)
             and call.tokens * max_heads * units < MAX_PACKET_UNITS):
         return packet_spec

@@ -268,17 +268,16 @@ def test_reciprocal_divides_every_31_bit_numerator(d):
 @pytest.mark.parametrize("head_dim,dtype,interleaved,mapping,threads", [
     (64, "bfloat16", False, "packets", 4), (128, "float16", False, "packets", 8),
     (256, "float32", False, "packets", 32),
-    (80, "bfloat16", False, "heads", None), (96, "bfloat16", False, "heads", None),  # 5 / 6
-    (96, "float32", False, "heads", None), (32, "float32", False, "packets", 4),
+    (80, "bfloat16", False, "packets", 5), (96, "bfloat16", False, "packets", 6),
+    (96, "float32", False, "packets", 12), (32, "float32", False, "packets", 4),
     (16, "bfloat16", False, "packets", 1),
     (4, "float32", False, "heads", None),  # 2-pair packets: 8 bytes
     # GPT-J: two packets per thread (c, c + d/2) for 16-bit elements, one for fp32
     (128, "bfloat16", True, "packets", 8), (16, "bfloat16", True, "packets", 1),
     (8, "bfloat16", True, "heads", None),  # one packet per head: no pair to take
-    (96, "bfloat16", True, "heads", None),  # 6 threads per head
+    (96, "bfloat16", True, "packets", 6), (24, "bfloat16", True, "heads", None),  # 3 packets
     (128, "float32", True, "packets", 32), (8, "float32", True, "packets", 2)])
-def test_packet_kernel_needs_power_of_two_threads_per_head(head_dim, dtype, interleaved, mapping,
-                                                           threads):
+def test_packet_kernel_threads_per_head(head_dim, dtype, interleaved, mapping, threads):
     from cupy_rope.interop import CUDA, Tensor
     from cupy_rope.validate import check_call
 
