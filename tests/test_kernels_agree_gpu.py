@@ -41,7 +41,7 @@ def _run(packets: bool, monkeypatch, x_dev, kw_dev, mode, dtype, **common):
 
 
 @pytest.mark.parametrize("mode", ["out", "inplace"])
-@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 def test_packet_and_heads_kernels_agree(rng, monkeypatch, interleaved, dtype, head_dim, mode):
