@@ -48,7 +48,8 @@ VARLEN_MIN_TOKENS = 8
 VARLEN_FEW_SEQS = 1024  # up to this many sequences (two search steps): 4 tokens
 VARLEN_FEW_SEQS_MIN_TOKENS = 4
 # packet_kernel (kernels/packet.cu) for full rotary on 16-byte aligned views
-# with a unit channel stride: one packet per thread, a short prologue.
+# with a unit channel stride: two 16-byte packets per thread (GPT-J fp32:
+# one), a short prologue.
 PACKET_KERNELS = True
 PACKET_THREADS = 256  # threads per block, at most kernels/packet.cu PACKET_THREADS (its launch bounds)
 MAX_PACKET_UNITS = 1 << 31  # packet_kernel indexes a slab's units in 32 bits
@@ -137,14 +138,16 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
         pairs = _widest(widths, lambda w: half % w == 0 and x_ok(w))  # 1 always fits
 
     tables = call.tables
+    row_strides = [t.strides[0] for t in tables if t.ndim == 2 and t.shape[0] > 1]
+
+    def tables_aligned(freqs):
+        """Can every table row be read in runs of ``freqs`` frequencies?"""
+        return all(_aligned(freqs, t.ptr + off * t.itemsize, t.itemsize, row_strides)
+                   for t, off in zip(tables, call.table_offsets))
+
     # AXES reads tables element by element (neighbouring pairs may use other axes).
     table_strided = (strided or call.pos_mode == AXES
-                     or any(t.strides[-1] != 1 for t in tables))
-    if not table_strided:
-        row_strides = [t.strides[0] for t in tables if t.ndim == 2 and t.shape[0] > 1]
-        table_strided = not all(
-            _aligned(pairs, t.ptr + off * t.itemsize, t.itemsize, row_strides)
-            for t, off in zip(tables, call.table_offsets))
+                     or any(t.strides[-1] != 1 for t in tables) or not tables_aligned(pairs))
 
     copy_tail = not call.inplace and r < d
     tail_vec = 1
@@ -190,6 +193,10 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
             and units_tile and units >= 1
             and call.pos_mode in (IMPLIED, EXPLICIT)
             and call.tokens * max_heads * units < MAX_PACKET_UNITS):
+        # A GPT-J 16-bit unit reads twice the frequencies of rope_kernel's
+        # item (its two adjacent packets): the tables must allow that width.
+        if call.interleaved and item == 2 and not tables_aligned(2 * pairs):
+            packet_spec = dataclasses.replace(packet_spec, table_strided=True)
         return packet_spec
     if spec.rot_items + spec.tail_items > THREADS_PER_BLOCK:
         raise ValueError(f"x: head_dim {d} with rotary_dim {r} on a last axis with stride != 1 "

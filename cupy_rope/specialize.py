@@ -59,8 +59,8 @@ class Spec:
     pos_mode: str  # key of POS_MODES: implied | explicit | varlen | axes
     # Which kernel: "heads" (rope_kernel, kernels/rope.cu: a thread walks
     # several heads; any rotary_dim, layout and position rule) or "packets"
-    # (packet_kernel, kernels/packet.cu: a thread rotates one packet, or a
-    # NeoX pair of packets; full rotary on 16-byte aligned views).
+    # (packet_kernel, kernels/packet.cu: a thread rotates two 16-byte
+    # packets, GPT-J fp32 one; full rotary on 16-byte aligned views).
     mapping: str = "heads"
 
     @property

@@ -1,7 +1,7 @@
-// Rotary position embedding with two 16-byte packets (or one) per thread: the kernel for full rotary (rotary_dim == head_dim)
-// on 16-byte aligned views with a unit channel stride, which is what most
-// calls are. Same Params, angles, positions and math as rope_kernel
-// (kernels/rope.cu):
+// Rotary position embedding with two 16-byte packets (or one) per thread:
+// the kernel for full rotary (rotary_dim == head_dim) on 16-byte aligned
+// views with a unit channel stride, which is what most calls are. Same
+// Params, angles, positions and math as rope_kernel (kernels/rope.cu):
 //   a' = a cos(theta_f) - b sin(theta_f)
 //   b' = b cos(theta_f) + a sin(theta_f)
 // for the pairs (a, b) = (f, f + HEAD_DIM/2) (NeoX) or (2f, 2f + 1) (GPT-J).
@@ -57,9 +57,9 @@ __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) 
   static_assert(INTERLEAVED ? HEAD_DIM % (PACKETS * VEC) == 0 : HALF % VEC == 0,
                 "a head is a whole number of units");
   static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
-  // Units (threads) per row, and angles (frequencies) per packet.
+  // Units (threads) per row, and frequencies per unit: NeoX, VEC (both
+  // packets use the same ones); GPT-J, the unit's PACKETS * VEC / 2 pairs.
   constexpr int UNITS = INTERLEAVED ? HEAD_DIM / (PACKETS * VEC) : HALF / VEC;
-  // Frequencies per unit: GPT-J's two packets are adjacent, (PACKETS * VEC) / 2 pairs.
   constexpr int FREQS = INTERLEAVED ? PACKETS * VEC / 2 : VEC;
 
   const auto [sl, x_data, out_data] = block_slab(p);

@@ -272,7 +272,7 @@ def test_reciprocal_divides_every_31_bit_numerator(d):
     (96, "float32", False, "packets", 12), (32, "float32", False, "packets", 4),
     (16, "bfloat16", False, "packets", 1),
     (4, "float32", False, "heads", None),  # 2-pair packets: 8 bytes
-    # GPT-J: two packets per thread (c, c + d/2) for 16-bit elements, one for fp32
+    # GPT-J: two adjacent packets per thread for 16-bit elements, one for fp32
     (128, "bfloat16", True, "packets", 8), (16, "bfloat16", True, "packets", 1),
     (8, "bfloat16", True, "heads", None),  # one packet per head: no pair to take
     (96, "bfloat16", True, "packets", 6), (24, "bfloat16", True, "heads", None),  # 3 packets
@@ -289,6 +289,31 @@ def test_packet_kernel_threads_per_head(head_dim, dtype, interleaved, mapping, t
     assert spec.mapping == mapping
     if threads is not None:
         assert spec.rot_items == threads
+
+
+@pytest.mark.parametrize("row_stride,strided", [(64, False), (68, True)])
+def test_gptj_packets_read_16_bit_tables_whole_rows_only_when_aligned(row_stride, strided):
+    """A GPT-J bf16 unit of packet_kernel reads 8 frequencies per table row
+    (16 bytes of a bf16 table): rows only 8-byte aligned are read element by
+    element."""
+    from cupy_rope.interop import CUDA, Tensor
+    from cupy_rope.validate import check_call
+
+    h, d = 8, 128
+    x = Tensor(None, "cupy", 1 << 40, (16, h, d), (h * d, d, 1), "bfloat16", (CUDA, 0), False)
+    cos = Tensor(None, "cupy", 1 << 41, (16, d // 2), (row_stride, 1), "bfloat16", (CUDA, 0),
+                 False)
+    sin = Tensor(None, "cupy", 1 << 42, (16, d // 2), (row_stride, 1), "bfloat16", (CUDA, 0),
+                 False)
+    for interleaved in (False, True):
+        call = check_call(x, cos=cos, sin=sin, layout="thd", inplace=True,
+                          interleaved=interleaved)
+        spec = launch.choose_spec(call)
+        assert spec.mapping == "packets"
+        assert spec.table_strided == strided
+        if interleaved:
+            # rope_kernel's GPT-J item reads 4 frequencies (8 bytes): aligned.
+            assert not launch.choose_spec(call, packets=False).table_strided
 
 
 @pytest.mark.parametrize("rule,mapping", [("explicit", "packets"), ("varlen", "heads")])

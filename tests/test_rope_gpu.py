@@ -155,6 +155,33 @@ def test_general_paths(rng, case, interleaved, dtype):
         assert np.array_equal(bits(got[..., r:]), bits(x[..., r:]))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("placement", ["row_stride_68", "offset_4"])
+def test_tables_in_x_dtype_aligned_to_8_bytes_only(rng, placement, interleaved, dtype):
+    """Full rotary on packet_kernel with 16-bit tables whose rows are only
+    8-byte aligned: a GPT-J unit reads 8 frequencies (16 bytes) per row, so
+    the launcher must read such tables element by element (an aligned-width
+    load here faulted with a misaligned address)."""
+    d, b, s, h = 128, 2, 9, 5
+    rows = s + EXTRA_ROWS
+    src = {k: v.astype(np_dtype(dtype))
+           for k, v in angle_sources(rng, dtype, d, rows)["table_f32"].items()}
+    kw_dev = {}
+    for k, v in src.items():
+        if placement == "row_stride_68":
+            big = np.zeros((rows, 68), v.dtype)
+            big[:, : d // 2] = v
+            kw_dev[k] = to_device(big)[:, : d // 2]
+        else:
+            flat = to_device(np.concatenate([np.zeros(4, v.dtype), v.ravel()]))
+            kw_dev[k] = flat[4:].reshape(v.shape)
+    x = rng.standard_normal((b, s, h, d)).astype(np_dtype(dtype))
+    out = full_nan(x.shape, dtype)
+    cupy_rope.apply_rope(to_device(x), **kw_dev, interleaved=interleaved, out=out)
+    assert_close(to_host(out), oracle(x, **src, interleaved=interleaved), dtype, placement)
+
+
 @pytest.mark.parametrize("source", ["table", "freqs"])
 def test_positions_outside_table_give_nan_not_oob(rng, source):
     d = 32
