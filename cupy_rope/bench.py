@@ -828,7 +828,7 @@ def _time_bare_launch(out, fw, rope, calls):
     from . import launch
 
     go = next(iter(rope._fast.values()), None) if rope._fast else None
-    plan = go.__globals__.get("plan") if go is not None else None
+    plan = getattr(go, "plan", None)
     if not isinstance(plan, launch.Plan) or plan.empty:
         return
     args = plan.own_buffer()[1]

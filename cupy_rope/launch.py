@@ -182,20 +182,17 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
     # 0.93-0.97 -> 0.96-0.99, d96 NeoX within -1%/+1%; docs/perf-notes.md.)
     # cu_seqlens stay with rope_kernel, whose blocks of several tokens share
     # one sequence search.
-    vec = 2 * pairs if call.interleaved else pairs  # channels per packet
     packet_spec = dataclasses.replace(spec, unroll=1, mapping="packets")
     units = packet_spec.rot_items  # packet_kernel threads per head
-    # (A thread's packets are NeoX partners, half a head apart, or two
-    # adjacent GPT-J packets; GPT-J fp32 takes one.)
-    units_tile = (half % vec == 0 if not call.interleaved
-                  else item == 4 or d % (2 * vec) == 0)
-    if (packets and PACKET_KERNELS and r == d and not strided and vec * item == MAX_VECTOR_BYTES
-            and units_tile and units >= 1
+    # (NeoX packets tile each half by the choice of `pairs`; a GPT-J thread's
+    # adjacent packets must tile the head.)
+    units_tile = not call.interleaved or d % (packet_spec.vec * packet_spec.unit_packets) == 0
+    if (packets and PACKET_KERNELS and r == d and not strided
+            and packet_spec.vec * item == MAX_VECTOR_BYTES and units_tile and units >= 1
             and call.pos_mode in (IMPLIED, EXPLICIT)
             and call.tokens * max_heads * units < MAX_PACKET_UNITS):
-        # A GPT-J 16-bit unit reads twice the frequencies of rope_kernel's
-        # item (its two adjacent packets): the tables must allow that width.
-        if call.interleaved and item == 2 and not tables_aligned(2 * pairs):
+        # A GPT-J 16-bit unit reads more frequencies per row than rope_kernel's item.
+        if not table_strided and not tables_aligned(packet_spec.table_freqs):
             packet_spec = dataclasses.replace(packet_spec, table_strided=True)
         return packet_spec
     if spec.rot_items + spec.tail_items > THREADS_PER_BLOCK:
@@ -570,7 +567,9 @@ def bound_launcher(plan: Plan, pairs, args: dict, consts: dict):
                get_device=getDevice, kernel=plan.kernel, launch_kernel=driver.launchKernel,
                plan=plan)
     exec(src, env)  # noqa: S102 - integers, indices and fixed names only
-    return env["go"]
+    go = env["go"]
+    go.plan = plan  # for the benchmark's bare-launch timing and scripts/launch_cost.py
+    return go
 
 
 def check_disjoint(pairs, ptrs) -> bool:

@@ -68,12 +68,30 @@ class Spec:
         return "rope.cu" if self.mapping == "heads" else "packet.cu"
 
     @property
-    def rot_items(self) -> int:
-        """Threads per head for the rotated channels (packet_kernel: per head;
-        a thread takes two packets, except GPT-J fp32, one: kernels/packet.cu)."""
+    def vec(self) -> int:
+        """Channels per packet (one vector access): a NeoX packet holds one
+        channel of each of ``pairs`` pairs, a GPT-J packet ``pairs`` whole pairs."""
+        return 2 * self.pairs if self.interleaved else self.pairs
+
+    @property
+    def unit_packets(self) -> int:
+        """packet_kernel: packets per thread (kernels/packet.cu PACKETS): NeoX
+        partners or two adjacent GPT-J packets; GPT-J fp32 one."""
+        return 1 if self.interleaved and ITEMSIZE[self.dtype] == 4 else 2
+
+    @property
+    def table_freqs(self) -> int:
+        """Frequencies a thread reads from a table row at once (packet_kernel
+        FREQS, rope_kernel PAIRS): the run the tables must be aligned for."""
         if self.mapping == "packets" and self.interleaved:
-            packets = self.rotary_dim // (2 * self.pairs)
-            return packets if ITEMSIZE[self.dtype] == 4 else packets // 2
+            return self.pairs * self.unit_packets
+        return self.pairs
+
+    @property
+    def rot_items(self) -> int:
+        """Threads per head for the rotated channels (packet_kernel: per head)."""
+        if self.mapping == "packets" and self.interleaved:
+            return self.rotary_dim // (self.vec * self.unit_packets)
         return self.rotary_dim // 2 // self.pairs
 
     @property
@@ -83,10 +101,9 @@ class Spec:
     def name_expression(self) -> str:
         b = lambda v: "true" if v else "false"  # noqa: E731
         if self.mapping == "packets":
-            vec = 2 * self.pairs if self.interleaved else self.pairs  # channels per packet
             return "rope::packet_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),
-                b(self.interleaved), str(ANGLE_SOURCES[self.source]), str(vec),
+                b(self.interleaved), str(ANGLE_SOURCES[self.source]), str(self.vec),
                 b(self.table_strided), str(POS_MODES[self.pos_mode])]) + ">"
         args = [
             CXX_TYPES[self.dtype],

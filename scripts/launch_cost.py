@@ -208,7 +208,7 @@ for fw, rp, args in (("torch", rope, (q, k, pos)), ("cupy", rope_c, (qc, kc, pc)
     real = driver.launchKernel
     driver.launchKernel = lambda *a: None
     try:
-        go_stub = _launch.bound_launcher(go.__globals__["plan"], [], {0: "q", 1: "k", 7: "p"}, {})
+        go_stub = _launch.bound_launcher(go.plan, [], {0: "q", 1: "k", 7: "p"}, {})
     finally:
         driver.launchKernel = real
     show(f"[{fw}] go without the driver call (no overlap test)",
