@@ -176,7 +176,8 @@ WORKLOADS = [
     _wl("bshd-gptj", "bf16 bshd [4,4096,32,128] GPT-J (interleaved) pairs, out of place",
         "single", "bshd", (4, 4096, 32, 128), interleaved=True),
     _wl("bshd-strided", "bf16 [4,4096,32,128] bshd view of a [4,32,4096,128] bhsd tensor, "
-        "out of place", "single", "bshd", (4, 4096, 32, 128), strided=True),
+        "out of place into an output of the same memory order (as the peers' new outputs)",
+        "single", "bshd", (4, 4096, 32, 128), strided=True),
 ]
 
 
@@ -462,20 +463,28 @@ def make_set(w: Workload, env: _Env) -> dict:
             s["out_q"] = env.empty(w.shape, w.dtype)
             s["out_k"] = env.empty(w.k_shape, w.dtype)
         return s
+    s = {"x": _new_x(w, env, env.randn)}
+    if w.mode == "new":
+        s["out"] = _new_x(w, env, env.empty)
+    return s
+
+
+def _new_x(w: Workload, env: _Env, make):
+    """x (or an output like it) of a single-tensor workload: for ``strided``
+    a [b, h, s, d] array seen as [b, s, h, d]. (Torch and torch.compile give
+    a new output the input's memory order, so cupy-rope writes into one of
+    that order too.)"""
     if w.strided:
         b, sl, h, d = w.shape
-        x = env.swap12(env.randn((b, h, sl, d), w.dtype))
-    else:
-        x = env.randn(w.shape, w.dtype)
-    s = {"x": x}
-    if w.mode == "new":
-        s["out"] = env.empty(w.shape, w.dtype)
-    return s
+        return env.swap12(make((b, h, sl, d), w.dtype))
+    return make(w.shape, w.dtype)
 
 
 def clone_set(s: dict, w: Workload, env: _Env) -> dict:
     out = {n: env.clone(s[n]) for n in _input_names(w)}
-    for n in ("out", "out_q", "out_k"):
+    if "out" in s:
+        out["out"] = _new_x(w, env, env.empty)
+    for n in ("out_q", "out_k"):
         if n in s:
             out[n] = env.empty(s[n].shape, w.dtype)
     return out

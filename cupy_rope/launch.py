@@ -51,6 +51,9 @@ VARLEN_FEW_SEQS_MIN_TOKENS = 4
 # with a unit channel stride: two 16-byte packets per thread (GPT-J fp32:
 # one), a short prologue.
 PACKET_KERNELS = True
+# Heads per token from which angles computed in the kernel (inv_freq, freqs)
+# go to rope_kernel, which shares them across a thread's heads.
+COMPUTED_ANGLES_HEADS = 16
 PACKET_THREADS = 256  # threads per block, at most kernels/packet.cu PACKET_THREADS (its launch bounds)
 MAX_PACKET_UNITS = 1 << 31  # packet_kernel indexes a slab's units in 32 bits
 MAX_SLABS = 3
@@ -67,7 +70,7 @@ DYNAMIC_FIELDS = (
 _VIEW = ("stride_outer", "stride_inner", "stride_group", "stride_head", "stride_dim")
 _SLAB = ([f"x.{f}" for f in _VIEW] + [f"out.{f}" for f in _VIEW]
          + ["block_begin", "token_blocks", "head_lanes", "heads_per_block", "n_heads",
-            "heads_per_group", "rotate", "head_mul", "head_shift"])
+            "heads_per_group", "rotate", "head_mul", "head_shift", "head_major"])
 FIXED_FIELDS = (
     [(f"slab[{i}].{f}", "q") for i in range(MAX_SLABS) for f in _SLAB]
     + [(n, "q") for n in (
@@ -181,7 +184,12 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
     # threads per head: 0.94-0.95 -> 0.96-0.98 across head counts, d96 GPT-J
     # 0.93-0.97 -> 0.96-0.99, d96 NeoX within -1%/+1%; docs/perf-notes.md.)
     # cu_seqlens stay with rope_kernel, whose blocks of several tokens share
-    # one sequence search.
+    # one sequence search. So do angles computed in the kernel (inv_freq,
+    # freqs) for many heads: rope_kernel's thread finds them once for all
+    # its heads, packet_kernel once per head (sincosf; 48 registers). (bf16
+    # d128, H100, packet / rope_kernel: 24-128 heads, inv_freq 0.934-0.937 /
+    # 0.971-0.977 of copy, freqs 0.942-0.948 / 0.975-0.979; 8 heads 0.88 /
+    # 0.80; docs/perf-notes.md.)
     packet_spec = dataclasses.replace(spec, unroll=1, mapping="packets")
     units = packet_spec.rot_items  # packet_kernel threads per head
     # (NeoX packets tile each half by the choice of `pairs`; a GPT-J thread's
@@ -190,6 +198,7 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
     if (packets and PACKET_KERNELS and r == d and not strided
             and packet_spec.vec * item == MAX_VECTOR_BYTES and units_tile and units >= 1
             and call.pos_mode in (IMPLIED, EXPLICIT)
+            and (call.source == "table" or max_heads < COMPUTED_ANGLES_HEADS)
             and call.tokens * max_heads * units < MAX_PACKET_UNITS):
         # A GPT-J 16-bit unit reads more frequencies per row than rope_kernel's item.
         if not table_strided and not tables_aligned(packet_spec.table_freqs):
@@ -275,6 +284,18 @@ def packet_shape(units_per_row: int, slab_heads: tuple, tokens: int):
     return (begin, 1, 1), (PACKET_THREADS, 1, 1), slabs
 
 
+def head_major(x_view, heads: int, heads_per_group: int, n_inner: int) -> bool:
+    """Does packet_kernel walk a slab's rows (outer, head, inner) rather than
+    (outer, inner, head)? Yes when x stores a plain head axis outside the
+    inner token axis (x_view: the kernel's View strides, outer, inner,
+    group, head, dim), as a [b, h, s, d] tensor seen as bshd: consecutive
+    threads then read consecutive memory. (bf16 [4, 4096, 32, 128] bhsd
+    storage with an output in the same order, H100: 0.957 of copy
+    token-major.)"""
+    _, inner, _, head, _ = x_view
+    return heads > 1 and n_inner > 1 and heads_per_group >= heads and abs(head) > abs(inner)
+
+
 def reciprocal(d: int):
     """(mul, shift) with floor(n / d) == (n * mul) >> shift for 0 <= n < 2^31
     (kernels/packet.cu divide()); (0, 0) for d == 0."""
@@ -289,8 +310,9 @@ def _varlen_min_tokens(n_seqs: int) -> int:
 
 
 # ---------------------------------------------------------------- params --
-def fixed_params(call: Call, slab_blocks: list) -> bytes:
-    """The fixed part of Params (everything but pointers and the offset)."""
+def fixed_params(call: Call, slab_blocks: list, packets: bool = False) -> bytes:
+    """The fixed part of Params (everything but pointers and the offset);
+    ``packets``: for packet_kernel (which may walk rows head-major)."""
     s0 = call.slabs[0]
     sb, ss = s0.x_strides[0], s0.x_strides[1]
     # Tokens are walked with the smaller-stride axis inner, for locality.
@@ -314,7 +336,9 @@ def fixed_params(call: Call, slab_blocks: list) -> bytes:
             fields += view(sl.x_strides, sl.heads_per_group)
             fields += view(sl.out_strides, sl.heads_per_group)
             fields += (*slab_blocks[i], sl.heads, sl.heads_per_group, int(sl.rotate),
-                       *reciprocal(sl.heads))
+                       *reciprocal(sl.heads),
+                       int(packets and head_major(view(sl.x_strides, sl.heads_per_group),
+                                                  sl.heads, sl.heads_per_group, n_inner)))
         else:
             fields += (0,) * len(_SLAB)
 
@@ -378,7 +402,8 @@ class Plan:
         self.kernel = None if self.empty else get_kernel(spec, self.device_id).ptr
         # The parameters with the dynamic fields zero; each launching thread
         # packs its pointers into its own copy (see own_buffer).
-        self.buf = bytes(_DYNAMIC.size) + fixed_params(call, slab_blocks)
+        self.buf = bytes(_DYNAMIC.size) + fixed_params(call, slab_blocks,
+                                                       spec.mapping == "packets")
         self.buffers: dict = {}
 
         def slot(t, byte_offset=0):

@@ -48,6 +48,9 @@ struct Slab {
   // (kernels/packet.cu divide()).
   i64 head_mul;
   i64 head_shift;
+  // packet_kernel: 1 walks rows (outer, head, inner) instead of (outer,
+  // inner, head): x stores heads outside the inner token axis.
+  i64 head_major;
 };
 
 struct Params {

@@ -254,6 +254,45 @@ def placements():
         del sets
 
 
+def sources():
+    """Angle sources (fp32 / bf16 tables, inv_freq, freqs) on packet_kernel ("pk")
+    and rope_kernel ("rk"), out of place, over head counts (and a [b, h, s,
+    d] array seen as bshd with an output of its order): where computed
+    angles should leave packet_kernel (launch.COMPUTED_ANGLES_HEADS)."""
+    from cupy_rope import api, launch
+    d = 128
+    rnd = lambda shape, dt=None: cupy.random.standard_normal(  # noqa: E731
+        shape, dtype=cupy.float32).astype(dt or bf16())
+    inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
+    th = cupy.arange(70000, dtype=cupy.float32)[:, None] * inv
+    cos, sin = cupy.cos(th), cupy.sin(th)
+    cos16, sin16 = cos.astype(bf16()), sin.astype(bf16())
+    bhsd = lambda: rnd((4, 32, 4096, d)).transpose(0, 2, 1, 3)  # noqa: E731
+    cases = [(s, lay, None, None) for s, lay in (
+        ((4, 4096, 32, d), "bshd"), ((4096, 1, 128, d), "sbhd"), ((512, 32, 24, d), "sbhd"),
+        ((2, 4096, 8, d), "bshd"), ((1, 65536, 4, d), "bshd"))]
+    cases += [((128, 8192, 1, d), "sbhd", cupy.float32, None), (None, "bshd", None, bhsd)]
+    for shape, layout, dt, make in cases:
+        make = make or (lambda: rnd(shape, dt))
+        sets = [(make(), make()) for _ in range(2)]
+        t_copy = copy_us(sets[0][0].nbytes)
+        res = []
+        for name, kw in (("tables", dict(cos=cos, sin=sin)),
+                         ("bf16_tables", dict(cos=cos16, sin=sin16)),
+                         ("inv_freq", dict(inv_freq=inv)), ("freqs", dict(freqs=th))):
+            for packets in (True, False):
+                launch.PACKET_KERNELS = packets
+                api._plans.clear()
+                t = time_us(lambda x, o: cupy_rope.apply_rope(x, out=o, layout=layout, **kw),
+                            sets)
+                res.append(f"{name}/{'pk' if packets else 'rk'} {t_copy / t:.3f}")
+        what = "bhsd view" if shape is None else f"{layout} {list(shape)}"
+        print(f"{what:24s}", " ".join(res), flush=True)
+        del sets
+    launch.PACKET_KERNELS = True
+    api._plans.clear()
+
+
 def main(host=True):
     d = 128
     inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
@@ -268,7 +307,9 @@ def main(host=True):
         dims_sweep()
     if "--placements" in sys.argv:
         placements()
-    if "--dims" in sys.argv or "--placements" in sys.argv:
+    if "--sources" in sys.argv:
+        sources()
+    if any(a in sys.argv for a in ("--dims", "--placements", "--sources")):
         return
     if "--thd-probe" in sys.argv or "--small-probe" in sys.argv:
         return
@@ -333,9 +374,11 @@ def main(host=True):
         t_full = t_full or t
         rows.append((f"in place rotary {r}/{d} ({t / t_full:.3f} of full)", t,
                      t_copy * r / d / t))
-    sets = [(rnd((4, 32, 4096, d)).transpose(0, 2, 1, 3), rnd(shape)) for _ in range(2)]
-    t = time_us(lambda x, o: cupy_rope.apply_rope(x, cos, sin, out=o), sets)
-    rows.append(("bshd view of bhsd, out=", t, t_copy / t))
+    bhsd_view = lambda: rnd((4, 32, 4096, d)).transpose(0, 2, 1, 3)  # noqa: E731
+    for out_name, out in (("in x's order", bhsd_view), ("contiguous", lambda: rnd(shape))):
+        sets = [(bhsd_view(), out()) for _ in range(2)]
+        t = time_us(lambda x, o: cupy_rope.apply_rope(x, cos, sin, out=o), sets)
+        rows.append((f"bshd view of bhsd, out= {out_name}", t, t_copy / t))
     del sets
     # thd T=65536 h32 across n_seqs
     T = 65536
@@ -411,7 +454,9 @@ if __name__ == "__main__":
         from cupy_rope import launch
         defaults = {a: getattr(launch, a) for a in ("LANES_ROUND_UP", "SMALL_BLOCK_THREADS",
                                                     "THREADS_PER_BLOCK", "MAX_HEAD_LANES",
-                                                    "PACKET_KERNELS", "PACKET_THREADS")}
+                                                    "PACKET_KERNELS", "PACKET_THREADS",
+                                                    "VARLEN_FEW_SEQS", "VARLEN_MIN_TOKENS",
+                                                    "VARLEN_FEW_SEQS_MIN_TOKENS")}
         for spec in sys.argv[sys.argv.index("--variants") + 1:]:
             name, _, rest = spec.partition(":")
             settings = dict(kv.partition("=")[::2] for kv in filter(None, rest.split(",")))

@@ -23,8 +23,10 @@ pytestmark = pytest.mark.gpu
 ROWS = 64
 
 
-def _run(packets: bool, monkeypatch, x_dev, kw_dev, mode, dtype, **common):
-    """One call with packet_kernel allowed or not; returns (output, kernel mapping)."""
+def _run(packets: bool, monkeypatch, x_dev, kw_dev, mode, dtype, out_like_x=False, **common):
+    """One call with packet_kernel allowed or not; returns (output, kernel
+    mapping, head-major rows). ``out_like_x``: the output has x's memory
+    order (else it is contiguous)."""
     import cupy
 
     monkeypatch.setattr(launch, "PACKET_KERNELS", packets)
@@ -35,9 +37,14 @@ def _run(packets: bool, monkeypatch, x_dev, kw_dev, mode, dtype, **common):
         cupy_rope.apply_rope(work, **kw_dev, **common, inplace=True)
     else:
         work = full_nan(x_dev.shape, dtype)
+        if out_like_x:
+            work, nan = cupy.empty_like(x_dev), work
+            work[...] = nan
         cupy_rope.apply_rope(x_dev, **kw_dev, **common, out=work)
     (prepared,) = api._plans.values()
-    return to_host(work), prepared.plan.spec.mapping
+    fixed = dict(zip((n for n, _ in launch.FIXED_FIELDS),
+                     launch._FIXED.unpack_from(prepared.plan.buf, launch._DYNAMIC.size)))
+    return to_host(work), prepared.plan.spec.mapping, fixed["slab[0].head_major"]
 
 
 @pytest.mark.parametrize("mode", ["out", "inplace"])
@@ -46,10 +53,19 @@ def _run(packets: bool, monkeypatch, x_dev, kw_dev, mode, dtype, **common):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 def test_packet_and_heads_kernels_agree(rng, monkeypatch, interleaved, dtype, head_dim, mode):
     b, s, h = 2, 7, 5
-    for layout, positions in (("bshd", False), ("sbhd", False), ("bshd", True)):
-        shape = (b, s, h, head_dim) if layout == "bshd" else (s, b, h, head_dim)
+    # (layout, x stored as, explicit positions, output in x's memory order):
+    # "bhsd" storage is a [b, h, s, d] array seen as bshd, which
+    # packet_kernel walks head-major.
+    for layout, storage, positions, out_like_x in (
+            ("bshd", "bshd", False, False), ("sbhd", "sbhd", False, False),
+            ("bshd", "bshd", True, False), ("bshd", "bhsd", False, True),
+            ("bshd", "bhsd", True, True), ("bshd", "bhsd", False, False)):
+        shape = {"bshd": (b, s, h, head_dim), "sbhd": (s, b, h, head_dim),
+                 "bhsd": (b, h, s, head_dim)}[storage]
         x = rng.standard_normal(shape).astype(np_dtype(dtype))
         x_dev = to_device(x)
+        if storage == "bhsd":
+            x, x_dev = x.transpose(0, 2, 1, 3), x_dev.transpose(0, 2, 1, 3)
         for name, src in angle_sources(rng, dtype, head_dim, ROWS).items():
             kw = dict(src)
             if positions:
@@ -57,9 +73,13 @@ def test_packet_and_heads_kernels_agree(rng, monkeypatch, interleaved, dtype, he
             kw_dev = {k: to_device(v) for k, v in kw.items()}
             for backward in (False, True):
                 common = dict(layout=layout, interleaved=interleaved, backward=backward)
-                got_p, kind_p = _run(True, monkeypatch, x_dev, kw_dev, mode, dtype, **common)
-                got_h, kind_h = _run(False, monkeypatch, x_dev, kw_dev, mode, dtype, **common)
-                what = f"{layout} positions={positions} {name} backward={backward}"
+                got_p, kind_p, major_p = _run(True, monkeypatch, x_dev, kw_dev, mode, dtype,
+                                              out_like_x, **common)
+                got_h, kind_h, _ = _run(False, monkeypatch, x_dev, kw_dev, mode, dtype,
+                                        out_like_x, **common)
+                what = (f"{storage} as {layout} positions={positions} out_like_x={out_like_x} "
+                        f"{name} backward={backward}")
                 assert (kind_p, kind_h) == ("packets", "heads"), what
+                assert major_p == (storage == "bhsd"), what
                 assert np.array_equal(bits(got_p), bits(got_h)), what
                 assert_close(got_p, oracle(x, **kw, **common), dtype, what)

@@ -215,9 +215,11 @@ def test_unroll_policy_for_partial_rotary(rotary_dim, inplace, unroll, mapping):
     h, d = 32, 128
     x = Tensor(None, "cupy", 1 << 40, (16, h, d), (h * d, d, 1), "bfloat16", (CUDA, 0), False)
     inv = Tensor(None, "cupy", 1 << 41, (rotary_dim // 2,), (1,), "float32", (CUDA, 0), False)
+    cos = Tensor(None, "cupy", 1 << 44, (16, rotary_dim // 2), (rotary_dim // 2, 1), "float32",
+                 (CUDA, 0), False)
     kw = dict(inplace=True) if inplace else dict(
         out=Tensor(None, "cupy", 1 << 42, (16, h, d), (h * d, d, 1), "bfloat16", (CUDA, 0), False))
-    call = check_call(x, layout="thd", inv_freq=inv, rotary_dim=rotary_dim, **kw)
+    call = check_call(x, layout="thd", cos=cos, sin=cos, rotary_dim=rotary_dim, **kw)
     spec = launch.choose_spec(call)
     assert (spec.unroll, spec.mapping) == (unroll, mapping)
     if inplace:  # per-axis positions (M-RoPE) keep the multi-head kernels
@@ -225,6 +227,26 @@ def test_unroll_policy_for_partial_rotary(rotary_dim, inplace, unroll, mapping):
         call = check_call(x, layout="thd", inv_freq=inv, rotary_dim=rotary_dim, positions=pos,
                           sections=(rotary_dim // 2 - 2, 1, 1), inplace=True)
         assert launch.choose_spec(call).unroll == launch.UNROLL
+
+
+@pytest.mark.parametrize("source,heads,mapping", [
+    ("table", 32, "packets"), ("inv_freq", 32, "heads"), ("freqs", 32, "heads"),
+    ("inv_freq", launch.COMPUTED_ANGLES_HEADS - 1, "packets"), ("freqs", 8, "packets")])
+def test_computed_angles_for_many_heads_use_rope_kernel(source, heads, mapping):
+    """Angles computed in the kernel (inv_freq, freqs) are found once per
+    thread: rope_kernel's thread shares them across several heads."""
+    from cupy_rope.interop import CUDA, Tensor
+    from cupy_rope.validate import check_call
+
+    d = 128
+    x = Tensor(None, "cupy", 1 << 40, (16, heads, d), (heads * d, d, 1), "bfloat16", (CUDA, 0),
+               False)
+    kw = {"inv_freq": Tensor(None, "cupy", 1 << 41, (d // 2,), (1,), "float32", (CUDA, 0), False)}
+    if source != "inv_freq":
+        t = Tensor(None, "cupy", 1 << 41, (16, d // 2), (d // 2, 1), "float32", (CUDA, 0), False)
+        kw = {"cos": t, "sin": t} if source == "table" else {"freqs": t}
+    call = check_call(x, layout="thd", inplace=True, **kw)
+    assert launch.choose_spec(call).mapping == mapping
 
 
 @pytest.mark.parametrize("interleaved,inplace,dtype,last_stride,ptr_offset,mapping", [
@@ -332,3 +354,23 @@ def test_packet_kernel_position_rules(rule, mapping):
           {"cu_seqlens": Tensor(None, "cupy", 1 << 43, (3,), (1,), "int32", (CUDA, 0), False)})
     call = check_call(x, cos=cos, sin=sin, layout="thd", inplace=True, **kw)
     assert launch.choose_spec(call).mapping == mapping
+
+
+@pytest.mark.parametrize("storage,packets,head_major", [
+    ("bhsd", True, 1), ("bshd", True, 0), ("bhsd", False, 0)])
+def test_packet_rows_head_major_when_heads_are_stored_outside_tokens(storage, packets,
+                                                                    head_major):
+    """packet_kernel walks a [b, h, s, d] array seen as bshd head by head
+    (consecutive threads on consecutive memory); rope_kernel never does."""
+    from cupy_rope.interop import CUDA, Tensor
+    from cupy_rope.validate import check_call
+
+    b, s, h, d = 2, 16, 8, 128
+    st = (h * s * d, d, s * d, 1) if storage == "bhsd" else (s * h * d, h * d, d, 1)
+    x = Tensor(None, "cupy", 1 << 40, (b, s, h, d), st, "bfloat16", (CUDA, 0), False)
+    cos = Tensor(None, "cupy", 1 << 41, (s, d // 2), (d // 2, 1), "float32", (CUDA, 0), False)
+    call = check_call(x, cos=cos, sin=cos, layout="bshd", inplace=True)
+    assert launch.choose_spec(call).mapping == "packets"
+    fixed = dict(zip((n for n, _ in launch.FIXED_FIELDS),
+                     launch._FIXED.unpack(launch.fixed_params(call, [(0, 0, 0, 0)], packets))))
+    assert fixed["slab[0].head_major"] == head_major
