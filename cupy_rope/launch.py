@@ -185,11 +185,12 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
     # 0.93-0.97 -> 0.96-0.99, d96 NeoX within -1%/+1%; docs/perf-notes.md.)
     # cu_seqlens stay with rope_kernel, whose blocks of several tokens share
     # one sequence search. So do angles computed in the kernel (inv_freq,
-    # freqs) for many heads: rope_kernel's thread finds them once for all
+    # freqs) for 16 or more heads: rope_kernel's thread finds them once for
     # its heads, packet_kernel once per head (sincosf; 48 registers). (bf16
-    # d128, H100, packet / rope_kernel: 24-128 heads, inv_freq 0.934-0.937 /
-    # 0.971-0.977 of copy, freqs 0.942-0.948 / 0.975-0.979; 8 heads 0.88 /
-    # 0.80; docs/perf-notes.md.)
+    # d128 out of place, H100, packet / rope_kernel, of copy: 24-128 heads,
+    # inv_freq 0.934-0.937 / 0.971-0.977, freqs 0.942-0.948 / 0.975-0.979;
+    # [2, 4096, 8]: 0.88 / 0.80 and 0.86 / 0.82; [1, 65536, 4]: 0.93 /
+    # 0.95 and 0.80 / 0.87; 9-15 heads unmeasured; docs/perf-notes.md v10.)
     packet_spec = dataclasses.replace(spec, unroll=1, mapping="packets")
     units = packet_spec.rot_items  # packet_kernel threads per head
     # (NeoX packets tile each half by the choice of `pairs`; a GPT-J thread's
@@ -621,7 +622,8 @@ def shipped_specs() -> list:
     for a strided last axis; and the same for one head per token with implied
     positions. (The launcher picks the UNROLL 1 kernels for one head per token
     and for partial rotary in place, and packet_kernel where it can, with
-    rope_kernel's twin for calls too large for it.) The CPU tests compile
+    rope_kernel's twin for calls too large for it and for angles computed
+    from inv_freq or freqs with 16 or more heads.) The CPU tests compile
     all of them with NVRTC. Specs are derived by running :func:`choose_spec`
     on shape-only descriptions, so the list follows the launch policy.
     """

@@ -268,6 +268,7 @@ def sources():
     cos, sin = cupy.cos(th), cupy.sin(th)
     cos16, sin16 = cos.astype(bf16()), sin.astype(bf16())
     bhsd = lambda: rnd((4, 32, 4096, d)).transpose(0, 2, 1, 3)  # noqa: E731
+    default_heads = launch.COMPUTED_ANGLES_HEADS
     cases = [(s, lay, None, None) for s, lay in (
         ((4, 4096, 32, d), "bshd"), ((4096, 1, 128, d), "sbhd"), ((512, 32, 24, d), "sbhd"),
         ((2, 4096, 8, d), "bshd"), ((1, 65536, 4, d), "bshd"))]
@@ -280,8 +281,13 @@ def sources():
         for name, kw in (("tables", dict(cos=cos, sin=sin)),
                          ("bf16_tables", dict(cos=cos16, sin=sin16)),
                          ("inv_freq", dict(inv_freq=inv)), ("freqs", dict(freqs=th))):
+            if name == "bf16_tables" and dt == cupy.float32:
+                continue  # tables are float32 or x's dtype
             for packets in (True, False):
+                # "pk": packet_kernel at every head count (the launcher's own
+                # choice sends computed angles for many heads to rope_kernel).
                 launch.PACKET_KERNELS = packets
+                launch.COMPUTED_ANGLES_HEADS = 1 << 30 if packets else default_heads
                 api._plans.clear()
                 t = time_us(lambda x, o: cupy_rope.apply_rope(x, out=o, layout=layout, **kw),
                             sets)
@@ -289,7 +295,7 @@ def sources():
         what = "bhsd view" if shape is None else f"{layout} {list(shape)}"
         print(f"{what:24s}", " ".join(res), flush=True)
         del sets
-    launch.PACKET_KERNELS = True
+    launch.PACKET_KERNELS, launch.COMPUTED_ANGLES_HEADS = True, default_heads
     api._plans.clear()
 
 

@@ -1,8 +1,9 @@
 """packet_kernel and rope_kernel give the same bits (GPU).
 
 Full rotary on aligned views runs packet_kernel (kernels/packet.cu);
-rope_kernel (kernels/rope.cu) still runs it for unaligned views and more
-than 2^31 packets. Both spell the rotation with the same fmaf helpers, so
+rope_kernel (kernels/rope.cu) still runs it for unaligned views, more than
+2^31 packets, and angles computed from inv_freq or freqs for 16 or more
+heads. Both spell the rotation with the same fmaf helpers, so
 each call below is made twice, once per kernel, and the outputs must be
 bitwise equal (and close to the float64 reference: the reference tests
 cover packet_kernel through the launcher's default choice).
@@ -52,24 +53,32 @@ def _run(packets: bool, monkeypatch, x_dev, kw_dev, mode, dtype, out_like_x=Fals
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 def test_packet_and_heads_kernels_agree(rng, monkeypatch, interleaved, dtype, head_dim, mode):
-    b, s, h = 2, 7, 5
-    # (layout, x stored as, explicit positions, output in x's memory order):
-    # "bhsd" storage is a [b, h, s, d] array seen as bshd, which
-    # packet_kernel walks head-major.
-    for layout, storage, positions, out_like_x in (
-            ("bshd", "bshd", False, False), ("sbhd", "sbhd", False, False),
-            ("bshd", "bshd", True, False), ("bshd", "bhsd", False, True),
-            ("bshd", "bhsd", True, True), ("bshd", "bhsd", False, False)):
+    s, h = 7, 5
+    # (layout, x stored as, batch, explicit positions, output in x's memory
+    # order). Storage orders with heads outside the token axes (bhsd seen as
+    # bshd, shbd as sbhd, htd as thd) are walked head-major by packet_kernel:
+    # with the sequence inner, the batch inner, and one outer index.
+    for layout, storage, b, positions, out_like_x in (
+            ("bshd", "bshd", 2, False, False), ("sbhd", "sbhd", 2, False, False),
+            ("bshd", "bshd", 2, True, False), ("bshd", "bhsd", 2, False, True),
+            ("bshd", "bhsd", 2, True, True), ("bshd", "bhsd", 2, False, False),
+            ("bshd", "bhsd", 1, False, True), ("sbhd", "shbd", 2, False, True),
+            ("thd", "htd", 1, True, True)):
         shape = {"bshd": (b, s, h, head_dim), "sbhd": (s, b, h, head_dim),
-                 "bhsd": (b, h, s, head_dim)}[storage]
+                 "bhsd": (b, h, s, head_dim), "shbd": (s, h, b, head_dim),
+                 "htd": (h, s, head_dim)}[storage]
         x = rng.standard_normal(shape).astype(np_dtype(dtype))
         x_dev = to_device(x)
-        if storage == "bhsd":
+        if storage in ("bhsd", "shbd"):
             x, x_dev = x.transpose(0, 2, 1, 3), x_dev.transpose(0, 2, 1, 3)
+        elif storage == "htd":
+            x, x_dev = x.transpose(1, 0, 2), x_dev.transpose(1, 0, 2)
+        head_major = storage in ("bhsd", "shbd", "htd")
+        pos_shape = (s,) if layout == "thd" else (b, s)
         for name, src in angle_sources(rng, dtype, head_dim, ROWS).items():
             kw = dict(src)
             if positions:
-                kw["positions"] = rng.integers(0, ROWS, (b, s)).astype(np.int32)
+                kw["positions"] = rng.integers(0, ROWS, pos_shape).astype(np.int32)
             kw_dev = {k: to_device(v) for k, v in kw.items()}
             for backward in (False, True):
                 common = dict(layout=layout, interleaved=interleaved, backward=backward)
@@ -80,6 +89,36 @@ def test_packet_and_heads_kernels_agree(rng, monkeypatch, interleaved, dtype, he
                 what = (f"{storage} as {layout} positions={positions} out_like_x={out_like_x} "
                         f"{name} backward={backward}")
                 assert (kind_p, kind_h) == ("packets", "heads"), what
-                assert major_p == (storage == "bhsd"), what
+                assert major_p == head_major, what
                 assert np.array_equal(bits(got_p), bits(got_h)), what
                 assert_close(got_p, oracle(x, **kw, **common), dtype, what)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qk_with_one_slab_walked_head_major(rng, monkeypatch, dtype):
+    """q stored [b, h, s, d] (walked head-major) and k contiguous bshd in one
+    launch: both kernels give the same bits, close to float64."""
+    b, s, hq, hk, d = 2, 9, 6, 2, 64
+    q = rng.standard_normal((b, hq, s, d)).astype(np_dtype(dtype)).transpose(0, 2, 1, 3)
+    k = rng.standard_normal((b, s, hk, d)).astype(np_dtype(dtype))
+    src = angle_sources(rng, dtype, d, ROWS)["table_f32"]
+    kw_dev = {n: to_device(v) for n, v in src.items()}
+    got = {}
+    for packets in (True, False):
+        monkeypatch.setattr(launch, "PACKET_KERNELS", packets)
+        monkeypatch.setattr(api, "_plans", {})
+        k_dev = to_device(k)
+        q_dev = to_device(np.ascontiguousarray(q.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+        out_q = full_nan((b, hq, s, d), dtype).transpose(0, 2, 1, 3)  # q's memory order
+        out_k = full_nan(k.shape, dtype)
+        cupy_rope.apply_rope_qk(q_dev, k_dev, **kw_dev, out_q=out_q, out_k=out_k)
+        (prepared,) = api._plans.values()
+        fixed = dict(zip((n for n, _ in launch.FIXED_FIELDS),
+                         launch._FIXED.unpack_from(prepared.plan.buf, launch._DYNAMIC.size)))
+        assert prepared.plan.spec.mapping == ("packets" if packets else "heads")
+        assert (fixed["slab[0].head_major"], fixed["slab[1].head_major"]) == (
+            (1, 0) if packets else (0, 0))
+        got[packets] = (to_host(out_q), to_host(out_k))
+    for i, (x, name) in enumerate(((q, "q"), (k, "k"))):
+        assert np.array_equal(bits(got[True][i]), bits(got[False][i])), name
+        assert_close(got[True][i], oracle(x, **src, layout="bshd"), dtype, name)
