@@ -292,7 +292,7 @@ def head_major(x_view, heads: int, heads_per_group: int, n_inner: int) -> bool:
     group, head, dim), as a [b, h, s, d] tensor seen as bshd: consecutive
     threads then read consecutive memory. (bf16 [4, 4096, 32, 128] bhsd
     storage with an output in the same order, H100: 0.957 of copy
-    token-major.)"""
+    token-major, 0.983-0.985 head-major.)"""
     _, inner, _, head, _ = x_view
     return heads > 1 and n_inner > 1 and heads_per_group >= heads and abs(head) > abs(inner)
 
