@@ -119,13 +119,27 @@ def thd_probe():
     t = time_us(lambda a, b: cupy_rope.apply_rope(a[None], cos, sin, out=b[None]), sets)
     rows.append(("bshd [1,T,32,128] implied", t))
     rng = np.random.default_rng(0)
-    for n in (1, 128, 2401):
-        cuts = np.sort(rng.choice(np.arange(1, T), n - 1, replace=False)) if n > 1 else []
-        cu_h = np.concatenate([[0], cuts, [T]]).astype(np.int32)
+    for n in (1, 128, 2401, "2401 skewed"):
+        if n == "2401 skewed":
+            # log-normal lengths (sigma 2.5: 1 to ~13000 tokens): the
+            # sequence of token t is often far from t * n / T
+            lengths = np.random.default_rng(1).lognormal(0.0, 2.5, 2401)
+            lengths = np.floor(lengths / lengths.sum() * (T - 2401)).astype(np.int64) + 1
+            lengths[-1] += T - lengths.sum()
+            cu_h = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            dev = np.abs(np.searchsorted(cu_h, np.arange(T), "right") - 1
+                         - np.arange(T) * 2401 / T).max()
+            print(f"skewed lengths {lengths.min()}..{lengths.max()}, "
+                  f"max |sequence - t n / T| {dev:.0f}", flush=True)
+        else:
+            cuts = np.sort(rng.choice(np.arange(1, T), n - 1, replace=False)) if n > 1 else []
+            cu_h = np.concatenate([[0], cuts, [T]]).astype(np.int32)
         cu = cupy.asarray(cu_h)
         t = time_us(lambda a, b: cupy_rope.apply_rope(a, cos, sin, layout="thd", cu_seqlens=cu,
                                                       out=b), sets)
         rows.append((f"thd varlen n={n}", t))
+        if n == "2401 skewed":
+            continue
         pos = cupy.asarray(np.arange(T) - np.repeat(cu_h[:-1], np.diff(cu_h)), dtype=cupy.int32)
         t = time_us(lambda a, b: cupy_rope.apply_rope(a, cos, sin, layout="thd", positions=pos,
                                                       out=b), sets)
