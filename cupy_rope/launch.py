@@ -54,6 +54,8 @@ PACKET_KERNELS = True
 # Heads per token from which angles computed in the kernel (inv_freq, freqs)
 # go to rope_kernel, which shares them across a thread's heads.
 COMPUTED_ANGLES_HEADS = 16
+# Rows (tokens x heads) from which explicit positions go to rope_kernel.
+EXPLICIT_PACKET_ROWS = 1 << 18
 PACKET_THREADS = 256  # threads per block, at most kernels/packet.cu PACKET_THREADS (its launch bounds)
 MAX_PACKET_UNITS = 1 << 31  # packet_kernel indexes a slab's units in 32 bits
 MAX_SLABS = 3
@@ -191,6 +193,14 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
     # inv_freq 0.934-0.937 / 0.971-0.977, freqs 0.942-0.948 / 0.975-0.979;
     # [2, 4096, 8]: 0.88 / 0.80 and 0.86 / 0.82; [1, 65536, 4]: 0.93 /
     # 0.95 and 0.80 / 0.87; 9-15 heads unmeasured; docs/perf-notes.md v10.)
+    # And explicit positions for large calls: a packet thread's table read
+    # waits for its position read, with nothing else of its own in flight;
+    # rope_kernel's thread has several heads' loads out meanwhile. (thd
+    # [65536, h, d] bf16, packet / rope_kernel: distinct positions h32 d128
+    # 0.88 / 0.96, GPT-J 0.91 / 0.97, h24 d80 0.84 / 0.93, h8 0.85 / 0.88;
+    # positions of 2401 sequences d128 1.006 / 1.002, GPT-J 0.95 / 1.005,
+    # d80 0.95 / 0.99; smaller calls favour packet_kernel: [4096, 32, 128]
+    # 0.97 / 0.89, decode [64, 32, 128] 5.2 / 5.4 us.)
     packet_spec = dataclasses.replace(spec, unroll=1, mapping="packets")
     units = packet_spec.rot_items  # packet_kernel threads per head
     # (NeoX packets tile each half by the choice of `pairs`; a GPT-J thread's
@@ -200,6 +210,7 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
             and packet_spec.vec * item == MAX_VECTOR_BYTES and units_tile and units >= 1
             and call.pos_mode in (IMPLIED, EXPLICIT)
             and (call.source == "table" or max_heads < COMPUTED_ANGLES_HEADS)
+            and (call.pos_mode != EXPLICIT or call.tokens * max_heads < EXPLICIT_PACKET_ROWS)
             and call.tokens * max_heads * units < MAX_PACKET_UNITS):
         # A GPT-J 16-bit unit reads more frequencies per row than rope_kernel's item.
         if not table_strided and not tables_aligned(packet_spec.table_freqs):
@@ -622,8 +633,9 @@ def shipped_specs() -> list:
     for a strided last axis; and the same for one head per token with implied
     positions. (The launcher picks the UNROLL 1 kernels for one head per token
     and for partial rotary in place, and packet_kernel where it can, with
-    rope_kernel's twin for calls too large for it and for angles computed
-    from inv_freq or freqs with 16 or more heads.) The CPU tests compile
+    rope_kernel's twin for calls too large for it, for angles computed
+    from inv_freq or freqs with 16 or more heads and for explicit positions
+    in large calls.) The CPU tests compile
     all of them with NVRTC. Specs are derived by running :func:`choose_spec`
     on shape-only descriptions, so the list follows the launch policy.
     """

@@ -313,6 +313,58 @@ def sources():
     api._plans.clear()
 
 
+def explicit():
+    """Explicit positions on packet_kernel ("pk") and rope_kernel ("rk"), out
+    of place, bf16: distinct positions per token (their table rows come from
+    DRAM) and repeated ones (L2-resident rows), several head counts, GPT-J,
+    d80, and a decode-sized call."""
+    from cupy_rope import api, launch
+    inv = lambda d: cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d),  # noqa: E731
+                                 dtype=cupy.float32)
+    rnd = lambda shape: cupy.random.standard_normal(  # noqa: E731
+        shape, dtype=cupy.float32).astype(bf16())
+    T = 65536
+    default_rows = launch.EXPLICIT_PACKET_ROWS
+    cu = np.sort(np.random.default_rng(0).choice(np.arange(1, T), 2400, replace=False))
+    cu = np.concatenate([[0], cu, [T]])
+    repeated = np.arange(T) - np.repeat(cu[:-1], np.diff(cu))
+    cases = [("thd [T, 32, 128] distinct", (T, 32, 128), "thd", np.arange(T), False),
+             ("thd [T, 32, 128] 2401 sequences", (T, 32, 128), "thd", repeated, False),
+             ("thd [T, 8, 128] distinct", (T, 8, 128), "thd", np.arange(T), False),
+             ("thd [T, 32, 128] distinct GPT-J", (T, 32, 128), "thd", np.arange(T), True),
+             ("thd [T, 24, 80] distinct", (T, 24, 80), "thd", np.arange(T), False),
+             ("thd [T, 32, 128] 2401 seqs GPT-J", (T, 32, 128), "thd", repeated, True),
+             ("thd [T, 24, 80] 2401 sequences", (T, 24, 80), "thd", repeated, False),
+             ("thd [4096, 32, 128] distinct", (4096, 32, 128), "thd", np.arange(4096), False),
+             ("thd [1024, 32, 128] distinct", (1024, 32, 128), "thd", np.arange(1024), False),
+             ("thd [256, 32, 128] distinct", (256, 32, 128), "thd", np.arange(256), False),
+             ("bshd [4, 4096, 32, 128] arange", (4, 4096, 32, 128), "bshd",
+              np.tile(np.arange(4096), (4, 1)), False),
+             ("thd [64, 32, 128] decode", (64, 32, 128), "thd",
+              np.random.default_rng(1).integers(0, 8192, 64), False)]
+    for name, shape, layout, pos_h, inter in cases:
+        d = shape[-1]
+        th = cupy.arange(70000, dtype=cupy.float32)[:, None] * inv(d)
+        cos, sin = cupy.cos(th), cupy.sin(th)
+        pos = cupy.asarray(pos_h, dtype=cupy.int32)
+        sets = [(rnd(shape), rnd(shape)) for _ in range(2)]
+        t_copy = copy_us(sets[0][0].nbytes)
+        res = []
+        for packets in (True, False):
+            # "pk": packet_kernel at every size (the launcher's own choice
+            # sends explicit positions in large calls to rope_kernel).
+            launch.PACKET_KERNELS = packets
+            launch.EXPLICIT_PACKET_ROWS = 1 << 62 if packets else default_rows
+            api._plans.clear()
+            t = time_us(lambda x, o: cupy_rope.apply_rope(
+                x, cos, sin, positions=pos, layout=layout, interleaved=inter, out=o), sets)
+            res.append(f"{'pk' if packets else 'rk'} {t:7.1f} us {t_copy / t:.3f}")
+        print(f"{name:34s}", "  ".join(res), flush=True)
+        del sets
+    launch.PACKET_KERNELS, launch.EXPLICIT_PACKET_ROWS = True, default_rows
+    api._plans.clear()
+
+
 def main(host=True):
     d = 128
     inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
@@ -329,7 +381,9 @@ def main(host=True):
         placements()
     if "--sources" in sys.argv:
         sources()
-    if any(a in sys.argv for a in ("--dims", "--placements", "--sources")):
+    if "--explicit" in sys.argv:
+        explicit()
+    if any(a in sys.argv for a in ("--dims", "--placements", "--sources", "--explicit")):
         return
     if "--thd-probe" in sys.argv or "--small-probe" in sys.argv:
         return

@@ -338,20 +338,28 @@ def test_gptj_packets_read_16_bit_tables_whole_rows_only_when_aligned(row_stride
             assert not launch.choose_spec(call, packets=False).table_strided
 
 
-@pytest.mark.parametrize("rule,mapping", [("explicit", "packets"), ("varlen", "heads")])
-def test_packet_kernel_position_rules(rule, mapping):
-    """Explicit positions use packet_kernel; cu_seqlens keep rope_kernel's
-    token blocks (one sequence search per block of several tokens)."""
+@pytest.mark.parametrize("rule,tokens,mapping", [
+    ("explicit", 16, "packets"), ("explicit", launch.EXPLICIT_PACKET_ROWS // 8 - 1, "packets"),
+    ("explicit", launch.EXPLICIT_PACKET_ROWS // 8, "heads"), ("implied", 1 << 16, "packets"),
+    ("varlen", 16, "heads")])
+def test_packet_kernel_position_rules(rule, tokens, mapping):
+    """Explicit positions use packet_kernel below EXPLICIT_PACKET_ROWS rows
+    (tokens x heads) and rope_kernel from there on (a packet thread's table
+    read waits for its position read); cu_seqlens keep rope_kernel's token
+    blocks (one sequence search per block of several tokens)."""
     from cupy_rope.interop import CUDA, Tensor
     from cupy_rope.validate import check_call
 
     h, d = 8, 128
-    x = Tensor(None, "cupy", 1 << 40, (16, h, d), (h * d, d, 1), "bfloat16", (CUDA, 0), False)
-    cos = Tensor(None, "cupy", 1 << 41, (16, d // 2), (d // 2, 1), "float32", (CUDA, 0), False)
-    sin = Tensor(None, "cupy", 1 << 42, (16, d // 2), (d // 2, 1), "float32", (CUDA, 0), False)
-    kw = ({"positions": Tensor(None, "cupy", 1 << 43, (16,), (1,), "int32", (CUDA, 0), False)}
-          if rule == "explicit" else
-          {"cu_seqlens": Tensor(None, "cupy", 1 << 43, (3,), (1,), "int32", (CUDA, 0), False)})
+    x = Tensor(None, "cupy", 1 << 40, (tokens, h, d), (h * d, d, 1), "bfloat16", (CUDA, 0),
+               False)
+    rows = max(16, tokens)  # thd's implied position is the token index
+    cos = Tensor(None, "cupy", 1 << 41, (rows, d // 2), (d // 2, 1), "float32", (CUDA, 0), False)
+    sin = Tensor(None, "cupy", 1 << 42, (rows, d // 2), (d // 2, 1), "float32", (CUDA, 0), False)
+    kw = ({"positions": Tensor(None, "cupy", 1 << 43, (tokens,), (1,), "int32", (CUDA, 0),
+                               False)} if rule == "explicit" else
+          {"cu_seqlens": Tensor(None, "cupy", 1 << 43, (3,), (1,), "int32", (CUDA, 0), False)}
+          if rule == "varlen" else {})
     call = check_call(x, cos=cos, sin=sin, layout="thd", inplace=True, **kw)
     assert launch.choose_spec(call).mapping == mapping
 
