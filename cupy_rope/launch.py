@@ -198,9 +198,10 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
     # rope_kernel's thread has several heads' loads out meanwhile. (thd
     # [65536, h, d] bf16, packet / rope_kernel: distinct positions h32 d128
     # 0.88 / 0.96, GPT-J 0.91 / 0.97, h24 d80 0.84 / 0.93, h8 0.85 / 0.88;
-    # positions of 2401 sequences d128 1.006 / 1.002, GPT-J 0.95 / 1.005,
-    # d80 0.95 / 0.99; smaller calls favour packet_kernel: [4096, 32, 128]
-    # 0.97 / 0.89, decode [64, 32, 128] 5.2 / 5.4 us.)
+    # positions of 2401 sequences d128 1.007 / 1.004, GPT-J 0.95 / 1.006,
+    # d80 0.95 / 0.99; smaller calls favour packet_kernel or tie: [4096,
+    # 32, 128] 0.95 / 0.89, [256, 32, 128] 0.73 / 0.74, decode [64, 32, 128]
+    # 5.4 / 5.5 us; results/h100-2026-11-23f/explicit.txt.)
     packet_spec = dataclasses.replace(spec, unroll=1, mapping="packets")
     units = packet_spec.rot_items  # packet_kernel threads per head
     # (NeoX packets tile each half by the choice of `pairs`; a GPT-J thread's
@@ -666,7 +667,7 @@ def shipped_specs() -> list:
                     for interleaved in (False, True):
                         for inplace in (False, True):
                             for pos_mode in ("implied", "explicit", "varlen", "axes"):
-                                if h == 1 and pos_mode != "implied":
+                                if h == 1 and pos_mode not in ("implied", "explicit"):
                                     continue  # the one-head kernels: a representative set
                                 for last_stride in (1, 2):
                                     if last_stride == 2 and (inplace or pos_mode != "implied"):
@@ -692,5 +693,6 @@ def shipped_specs() -> list:
                                                       out=None if inplace else out, **kw)
                                     specs.append(choose_spec(call))
                                     # rope_kernel's twin, for calls of 2^31+ packets
+                                    # and explicit positions in large calls
                                     specs.append(choose_spec(call, packets=False))
     return sorted(set(specs), key=repr)

@@ -282,7 +282,7 @@ def sources():
     cos, sin = cupy.cos(th), cupy.sin(th)
     cos16, sin16 = cos.astype(bf16()), sin.astype(bf16())
     bhsd = lambda: rnd((4, 32, 4096, d)).transpose(0, 2, 1, 3)  # noqa: E731
-    default_heads = launch.COMPUTED_ANGLES_HEADS
+    default_heads, default_packets = launch.COMPUTED_ANGLES_HEADS, launch.PACKET_KERNELS
     cases = [(s, lay, None, None) for s, lay in (
         ((4, 4096, 32, d), "bshd"), ((4096, 1, 128, d), "sbhd"), ((512, 32, 24, d), "sbhd"),
         ((2, 4096, 8, d), "bshd"), ((1, 65536, 4, d), "bshd"))]
@@ -309,7 +309,7 @@ def sources():
         what = "bhsd view" if shape is None else f"{layout} {list(shape)}"
         print(f"{what:24s}", " ".join(res), flush=True)
         del sets
-    launch.PACKET_KERNELS, launch.COMPUTED_ANGLES_HEADS = True, default_heads
+    launch.PACKET_KERNELS, launch.COMPUTED_ANGLES_HEADS = default_packets, default_heads
     api._plans.clear()
 
 
@@ -324,7 +324,7 @@ def explicit():
     rnd = lambda shape: cupy.random.standard_normal(  # noqa: E731
         shape, dtype=cupy.float32).astype(bf16())
     T = 65536
-    default_rows = launch.EXPLICIT_PACKET_ROWS
+    default_rows, default_packets = launch.EXPLICIT_PACKET_ROWS, launch.PACKET_KERNELS
     cu = np.sort(np.random.default_rng(0).choice(np.arange(1, T), 2400, replace=False))
     cu = np.concatenate([[0], cu, [T]])
     repeated = np.arange(T) - np.repeat(cu[:-1], np.diff(cu))
@@ -361,7 +361,7 @@ def explicit():
             res.append(f"{'pk' if packets else 'rk'} {t:7.1f} us {t_copy / t:.3f}")
         print(f"{name:34s}", "  ".join(res), flush=True)
         del sets
-    launch.PACKET_KERNELS, launch.EXPLICIT_PACKET_ROWS = True, default_rows
+    launch.PACKET_KERNELS, launch.EXPLICIT_PACKET_ROWS = default_packets, default_rows
     api._plans.clear()
 
 
@@ -530,7 +530,9 @@ if __name__ == "__main__":
                                                     "THREADS_PER_BLOCK", "MAX_HEAD_LANES",
                                                     "PACKET_KERNELS", "PACKET_THREADS",
                                                     "VARLEN_FEW_SEQS", "VARLEN_MIN_TOKENS",
-                                                    "VARLEN_FEW_SEQS_MIN_TOKENS")}
+                                                    "VARLEN_FEW_SEQS_MIN_TOKENS",
+                                                    "COMPUTED_ANGLES_HEADS",
+                                                    "EXPLICIT_PACKET_ROWS")}
         for spec in sys.argv[sys.argv.index("--variants") + 1:]:
             name, _, rest = spec.partition(":")
             settings = dict(kv.partition("=")[::2] for kv in filter(None, rest.split(",")))
