@@ -340,6 +340,8 @@ def explicit():
              ("thd [256, 32, 128] distinct", (256, 32, 128), "thd", np.arange(256), False),
              ("bshd [4, 4096, 32, 128] arange", (4, 4096, 32, 128), "bshd",
               np.tile(np.arange(4096), (4, 1)), False),
+             ("bhsd view [4, 4096, 32, 128] arange", (4, 32, 4096, 128), "bshd",
+              np.tile(np.arange(4096), (4, 1)), False),
              ("thd [64, 32, 128] decode", (64, 32, 128), "thd",
               np.random.default_rng(1).integers(0, 8192, 64), False)]
     for name, shape, layout, pos_h, inter in cases:
@@ -347,7 +349,9 @@ def explicit():
         th = cupy.arange(70000, dtype=cupy.float32)[:, None] * inv(d)
         cos, sin = cupy.cos(th), cupy.sin(th)
         pos = cupy.asarray(pos_h, dtype=cupy.int32)
-        sets = [(rnd(shape), rnd(shape)) for _ in range(2)]
+        # "bhsd view": [b, h, s, d] arrays seen as bshd, the output in x's order
+        view = (lambda a: a.transpose(0, 2, 1, 3)) if name.startswith("bhsd") else (lambda a: a)
+        sets = [(view(rnd(shape)), view(rnd(shape))) for _ in range(2)]
         t_copy = copy_us(sets[0][0].nbytes)
         res = []
         for packets in (True, False):
