@@ -317,7 +317,7 @@ def explicit():
     """Explicit positions on packet_kernel ("pk") and rope_kernel ("rk"), out
     of place, bf16: distinct positions per token (their table rows come from
     DRAM) and repeated ones (L2-resident rows), several head counts, GPT-J,
-    d80, and a decode-sized call."""
+    d80, a bhsd view, a decode-sized call, and q + k prefill in place."""
     from cupy_rope import api, launch
     inv = lambda d: cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d),  # noqa: E731
                                  dtype=cupy.float32)
@@ -364,6 +364,26 @@ def explicit():
                 x, cos, sin, positions=pos, layout=layout, interleaved=inter, out=o), sets)
             res.append(f"{'pk' if packets else 'rk'} {t:7.1f} us {t_copy / t:.3f}")
         print(f"{name:34s}", "  ".join(res), flush=True)
+        del sets
+    # q + k in one launch, vLLM-style prefill: [tokens, h * d] views,
+    # positions per token, a cos|sin cache [max_position, d]
+    th = cupy.arange(70000, dtype=cupy.float32)[:, None] * inv(128)
+    cache = cupy.concatenate([cupy.cos(th), cupy.sin(th)], axis=1)
+    for name, pos_h in (("distinct", np.arange(16384)), ("4 x arange(4096)",
+                                                         np.tile(np.arange(4096), 4))):
+        pos = cupy.asarray(pos_h, dtype=cupy.int64)
+        sets = [(rnd((16384, 32 * 128)), rnd((16384, 8 * 128))) for _ in range(2)]
+        t_copy = copy_us(sum(a.nbytes for a in sets[0]))
+        res = []
+        for packets in (True, False):
+            launch.PACKET_KERNELS = packets
+            launch.EXPLICIT_PACKET_ROWS = 1 << 62 if packets else default_rows
+            api._plans.clear()
+            t = time_us(lambda q, k: cupy_rope.apply_rope_qk(
+                q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=128,
+                inplace=True), sets)
+            res.append(f"{'pk' if packets else 'rk'} {t:7.1f} us {t_copy / t:.3f}")
+        print(f"{'qk [16384, 32/8 x 128] ' + name:34s}", "  ".join(res), flush=True)
         del sets
     launch.PACKET_KERNELS, launch.EXPLICIT_PACKET_ROWS = default_packets, default_rows
     api._plans.clear()
