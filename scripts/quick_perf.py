@@ -325,6 +325,19 @@ def explicit():
         shape, dtype=cupy.float32).astype(bf16())
     T = 65536
     default_rows, default_packets = launch.EXPLICIT_PACKET_ROWS, launch.PACKET_KERNELS
+
+    def both_kernels(call, sets, t_copy):
+        """"pk": packet_kernel at every size (the launcher's own choice sends
+        explicit positions in large calls to rope_kernel); "rk": rope_kernel."""
+        res = []
+        for packets in (True, False):
+            launch.PACKET_KERNELS = packets
+            launch.EXPLICIT_PACKET_ROWS = 1 << 62 if packets else default_rows
+            api._plans.clear()
+            t = time_us(call, sets)
+            res.append(f"{'pk' if packets else 'rk'} {t:7.1f} us {t_copy / t:.3f}")
+        return "  ".join(res)
+
     cu = np.sort(np.random.default_rng(0).choice(np.arange(1, T), 2400, replace=False))
     cu = np.concatenate([[0], cu, [T]])
     repeated = np.arange(T) - np.repeat(cu[:-1], np.diff(cu))
@@ -352,18 +365,10 @@ def explicit():
         # "bhsd view": [b, h, s, d] arrays seen as bshd, the output in x's order
         view = (lambda a: a.transpose(0, 2, 1, 3)) if name.startswith("bhsd") else (lambda a: a)
         sets = [(view(rnd(shape)), view(rnd(shape))) for _ in range(2)]
-        t_copy = copy_us(sets[0][0].nbytes)
-        res = []
-        for packets in (True, False):
-            # "pk": packet_kernel at every size (the launcher's own choice
-            # sends explicit positions in large calls to rope_kernel).
-            launch.PACKET_KERNELS = packets
-            launch.EXPLICIT_PACKET_ROWS = 1 << 62 if packets else default_rows
-            api._plans.clear()
-            t = time_us(lambda x, o: cupy_rope.apply_rope(
-                x, cos, sin, positions=pos, layout=layout, interleaved=inter, out=o), sets)
-            res.append(f"{'pk' if packets else 'rk'} {t:7.1f} us {t_copy / t:.3f}")
-        print(f"{name:34s}", "  ".join(res), flush=True)
+        res = both_kernels(lambda x, o: cupy_rope.apply_rope(
+            x, cos, sin, positions=pos, layout=layout, interleaved=inter, out=o), sets,
+            copy_us(sets[0][0].nbytes))
+        print(f"{name:34s}", res, flush=True)
         del sets
     # q + k in one launch, vLLM-style prefill: [tokens, h * d] views,
     # positions per token, a cos|sin cache [max_position, d]
@@ -373,17 +378,10 @@ def explicit():
                                                          np.tile(np.arange(4096), 4))):
         pos = cupy.asarray(pos_h, dtype=cupy.int64)
         sets = [(rnd((16384, 32 * 128)), rnd((16384, 8 * 128))) for _ in range(2)]
-        t_copy = copy_us(sum(a.nbytes for a in sets[0]))
-        res = []
-        for packets in (True, False):
-            launch.PACKET_KERNELS = packets
-            launch.EXPLICIT_PACKET_ROWS = 1 << 62 if packets else default_rows
-            api._plans.clear()
-            t = time_us(lambda q, k: cupy_rope.apply_rope_qk(
-                q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=128,
-                inplace=True), sets)
-            res.append(f"{'pk' if packets else 'rk'} {t:7.1f} us {t_copy / t:.3f}")
-        print(f"{'qk [16384, 32/8 x 128] ' + name:34s}", "  ".join(res), flush=True)
+        res = both_kernels(lambda q, k: cupy_rope.apply_rope_qk(
+            q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=128,
+            inplace=True), sets, copy_us(sum(a.nbytes for a in sets[0])))
+        print(f"{'qk [16384, 32/8 x 128] ' + name:34s}", res, flush=True)
         del sets
     launch.PACKET_KERNELS, launch.EXPLICIT_PACKET_ROWS = default_packets, default_rows
     api._plans.clear()
