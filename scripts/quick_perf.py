@@ -393,21 +393,13 @@ def main(host=True):
     th = cupy.arange(70000, dtype=cupy.float32)[:, None] * inv
     cos, sin = cupy.cos(th), cupy.sin(th)
     rows = []
-    if "--thd-probe" in sys.argv:
-        thd_probe()
-    if "--small-probe" in sys.argv:
-        small_probe()
-    if "--dims" in sys.argv:
-        dims_sweep()
-    if "--placements" in sys.argv:
-        placements()
-    if "--sources" in sys.argv:
-        sources()
-    if "--explicit" in sys.argv:
-        explicit()
-    if any(a in sys.argv for a in ("--dims", "--placements", "--sources", "--explicit")):
-        return
-    if "--thd-probe" in sys.argv or "--small-probe" in sys.argv:
+    # A probe flag runs that probe instead of the standard rows.
+    probes = {"--thd-probe": thd_probe, "--small-probe": small_probe, "--dims": dims_sweep,
+              "--placements": placements, "--sources": sources, "--explicit": explicit}
+    asked = [fn for flag, fn in probes.items() if flag in sys.argv]
+    for fn in asked:
+        fn()
+    if asked:
         return
 
     def rnd(shape):
