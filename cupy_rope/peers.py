@@ -90,10 +90,6 @@ def _formula_x(x, cos, sin):
     return rope_formula(x, cos, sin)
 
 
-def _formula_x_interleaved(x, cos, sin):
-    return rope_formula_interleaved(x, cos, sin)
-
-
 def _formula_x_gather(x, cos_t, sin_t, pos):
     return rope_formula(x, cos_t[pos].unsqueeze(-2), sin_t[pos].unsqueeze(-2))
 
@@ -166,7 +162,7 @@ class TorchFormula(Peer):
     def _fn(self, which):
         return {"x": _formula_x, "x_gather": _formula_x_gather,
                 "qk": _formula_qk, "qk_gather": _formula_qk_gather,
-                "x_interleaved": _formula_x_interleaved}[which]
+                "x_interleaved": rope_formula_interleaved}[which]
 
     def prepare(self, w, ctx):
         dtype = _torch_dtype(w.dtype)
