@@ -57,6 +57,13 @@ COMPUTED_ANGLES_HEADS = 16
 # Rows (tokens x heads) from which explicit positions go to rope_kernel.
 EXPLICIT_PACKET_ROWS = 1 << 18
 PACKET_THREADS = 256  # threads per block, at most kernels/packet.cu PACKET_THREADS (its launch bounds)
+# flat_kernel (kernels/flat.cu) for dense slabs walked in memory order: one
+# 16-byte packet per thread, implied positions and cos/sin tables.
+FLAT_KERNELS = True
+FLAT_THREADS = 128  # kernels/flat.cu FLAT_THREADS (its launch bounds and warp indexing)
+# NeoX rows that leave more lanes of a warp idle than this stay on
+# packet_kernel (a warp holds whole rows: d96 bf16, 12 packets, idles 8).
+FLAT_MAX_IDLE_LANES = 2
 MAX_PACKET_UNITS = 1 << 31  # packet_kernel indexes a slab's units in 32 bits
 MAX_SLABS = 3
 MAX_HEADS = 1 << 30  # heads per token (kernels/rope.cu indexes heads in 32 bits)
@@ -72,7 +79,9 @@ DYNAMIC_FIELDS = (
 _VIEW = ("stride_outer", "stride_inner", "stride_group", "stride_head", "stride_dim")
 _SLAB = ([f"x.{f}" for f in _VIEW] + [f"out.{f}" for f in _VIEW]
          + ["block_begin", "token_blocks", "head_lanes", "heads_per_block", "n_heads",
-            "heads_per_group", "rotate", "head_mul", "head_shift", "head_major"])
+            "heads_per_group", "rotate", "head_mul", "head_shift", "head_major",
+            "flat_rows", "flat_step_mul", "flat_step_shift", "flat_seq_len", "flat_seq_mul",
+            "flat_seq_shift"])
 FIXED_FIELDS = (
     [(f"slab[{i}].{f}", "q") for i in range(MAX_SLABS) for f in _SLAB]
     + [(n, "q") for n in (
@@ -120,9 +129,11 @@ def _moving_views(call: Call):
     return list(dict.fromkeys(views))
 
 
-def choose_spec(call: Call, packets: bool = True) -> Spec:
+def choose_spec(call: Call, packets: bool = True, flat: bool = True) -> Spec:
     """The kernel instantiation for ``call`` (outputs must be described);
-    ``packets=False``: rope_kernel's, also where packet_kernel would run."""
+    ``packets=False``: rope_kernel's, also where packet_kernel or
+    flat_kernel would run; ``flat=False``: packet_kernel's where flat_kernel
+    would run."""
     d, r = call.head_dim, call.rotary_dim
     half = r // 2
     views = _moving_views(call)
@@ -202,6 +213,28 @@ def choose_spec(call: Call, packets: bool = True) -> Spec:
     # d80 0.95 / 0.99; smaller calls favour packet_kernel or tie: [4096,
     # 32, 128] 0.95 / 0.89, [256, 32, 128] 0.73 / 0.74, decode [64, 32, 128]
     # 5.4 / 5.5 us; results/h100-2026-11-23f/explicit.txt.)
+    # Dense slabs walked in memory order, full rotary, cos/sin tables and
+    # implied positions: flat_kernel, one 16-byte packet per thread (NeoX
+    # partner from the lane half a head away), a prologue of a few integer
+    # operations. (bf16 on the H100, of copy, packet_kernel -> flat_kernel:
+    # bshd [1, 4096, 128, 128] 0.989 -> 1.000, sbhd [512, 32, 24, 128] 0.981
+    # -> 0.996, q + k prefill 0.990 -> 0.997, d80 q + k 0.978 -> 0.988; d96
+    # NeoX, whose 12-packet rows leave 8 lanes of every warp idle, 0.986 ->
+    # 0.979: stays on packet_kernel; docs/perf-notes.md v11.)
+    vec = 2 * pairs if call.interleaved else pairs  # channels per packet
+    row_packets = d // vec
+    geometry = None
+    if (packets and flat and FLAT_KERNELS and r == d and not strided and not table_strided
+            and vec * item == MAX_VECTOR_BYTES
+            and (call.interleaved
+                 or (row_packets <= 32 and 32 % row_packets <= FLAT_MAX_IDLE_LANES))):
+        geometry = flat_geometry(call)
+    if geometry is not None:
+        # NeoX pair lanes split the table reads when a block's rows lie at
+        # several positions (rows per position below rows per block).
+        block_rows = FLAT_THREADS // 32 * (32 // row_packets) if row_packets <= 32 else 0
+        split = not call.interleaved and any(0 < step < block_rows for _, step, _ in geometry)
+        return dataclasses.replace(spec, unroll=1, mapping="flat", split_angles=split)
     packet_spec = dataclasses.replace(spec, unroll=1, mapping="packets")
     units = packet_spec.rot_items  # packet_kernel threads per head
     # (NeoX packets tile each half by the choice of `pairs`; a GPT-J thread's
@@ -297,6 +330,63 @@ def packet_shape(units_per_row: int, slab_heads: tuple, tokens: int):
     return (begin, 1, 1), (PACKET_THREADS, 1, 1), slabs
 
 
+def flat_geometry(call: Call):
+    """Per slab (head rows, rows per sequence step, sequence length or 0)
+    when flat_kernel can run ``call`` (kernels/flat.cu), else None.
+
+    flat_kernel walks a slab's head rows in memory order, so x must be a
+    dense array of head rows (the batch, sequence and head axes, in any
+    order, tile its memory with positive strides, head_dim innermost), the
+    output must have x's strides (or be x), and a row's position must follow
+    from its index: implied positions with a scalar offset only, no context
+    parallelism, cos/sin tables, full rotary, every slab rotated and no
+    grouped (packed QKV) heads. The row index is (row / rows per step) %
+    sequence length; the modulo is not needed (0) when no axis is stored
+    outside the sequence axis."""
+    if not (call.pos_mode == IMPLIED and call.source == "table" and call.offsets is None
+            and call.cp_size == 1 and call.rotary_dim == call.head_dim):
+        return None
+    d, geometry = call.head_dim, []
+    for sl in call.slabs:
+        if not sl.rotate or sl.heads_per_group < sl.heads:
+            return None
+        if not call.inplace and tuple(sl.out_strides) != tuple(sl.x_strides):
+            return None
+        b_st, s_st, _, h_st, d_st = sl.x_strides
+        axes = sorted((st, n) for st, n in ((b_st, call.batch), (s_st, call.seqlen),
+                                            (h_st, sl.heads)) if n > 1)
+        expected = d
+        for st, n in axes:
+            if st != expected or d_st != 1:
+                return None
+            expected *= n
+        rows = call.tokens * sl.heads
+        packets = d * sl.x.itemsize // MAX_VECTOR_BYTES
+        if (rows + 1) * packets + 32 >= MAX_PACKET_UNITS:  # the kernel counts units in 32 bits
+            return None
+        if call.seqlen > 1:
+            outside = any(st > s_st for st, _ in axes)
+            geometry.append((rows, s_st // d, call.seqlen if outside else 0))
+        else:
+            geometry.append((rows, 0, 0))  # every row at sequence index 0
+    return geometry
+
+
+def flat_shape(packets_per_row: int, interleaved: bool, slab_rows):
+    """Grid, block and per-slab block layout for flat_kernel: each slab's
+    head rows of ``packets_per_row`` packets, one per thread; a NeoX warp
+    holds whole rows (its idle lanes, if 32 is not a multiple of the row,
+    count too); slabs[k] = (block_begin, 0, 0, 0)."""
+    lanes = 32 if interleaved else 32 // packets_per_row * packets_per_row
+    warps_per_block = FLAT_THREADS // 32
+    slabs, begin = [], 0
+    for rows in slab_rows:
+        slabs.append((begin, 0, 0, 0))
+        warps = -(-rows * packets_per_row // lanes)
+        begin += -(-warps // warps_per_block)
+    return (begin, 1, 1), (FLAT_THREADS, 1, 1), slabs
+
+
 def head_major(x_view, heads: int, heads_per_group: int, n_inner: int) -> bool:
     """Does packet_kernel walk a slab's rows (outer, head, inner) rather than
     (outer, inner, head)? Yes when x stores a plain head axis outside the
@@ -323,9 +413,10 @@ def _varlen_min_tokens(n_seqs: int) -> int:
 
 
 # ---------------------------------------------------------------- params --
-def fixed_params(call: Call, slab_blocks: list, packets: bool = False) -> bytes:
+def fixed_params(call: Call, slab_blocks: list, packets: bool = False, flat=None) -> bytes:
     """The fixed part of Params (everything but pointers and the offset);
-    ``packets``: for packet_kernel (which may walk rows head-major)."""
+    ``packets``: for packet_kernel (which may walk rows head-major);
+    ``flat``: flat_kernel's per-slab geometry (:func:`flat_geometry`)."""
     s0 = call.slabs[0]
     sb, ss = s0.x_strides[0], s0.x_strides[1]
     # Tokens are walked with the smaller-stride axis inner, for locality.
@@ -352,6 +443,8 @@ def fixed_params(call: Call, slab_blocks: list, packets: bool = False) -> bytes:
                        *reciprocal(sl.heads),
                        int(packets and head_major(view(sl.x_strides, sl.heads_per_group),
                                                   sl.heads, sl.heads_per_group, n_inner)))
+            rows, step, seq = flat[i] if flat else (0, 0, 0)
+            fields += (rows, *reciprocal(step), seq, *reciprocal(seq))
         else:
             fields += (0,) * len(_SLAB)
 
@@ -404,11 +497,16 @@ class Plan:
         self.empty = call.tokens == 0 or call.heads == 0
         self.spec = spec = choose_spec(call)
         heads = tuple(s.heads for s in call.slabs)
+        flat = None
         if spec.mapping == "heads":
             self.grid, self.block, slab_blocks = block_shape(
                 spec.rot_items + spec.tail_items, heads, call.tokens, spec.unroll,
                 _sm_count(self.device_id),
                 _varlen_min_tokens(call.n_seqs) if call.pos_mode == VARLEN else 1)
+        elif spec.mapping == "flat":
+            flat = flat_geometry(call)
+            self.grid, self.block, slab_blocks = flat_shape(
+                spec.head_dim // spec.vec, spec.interleaved, [rows for rows, _, _ in flat])
         else:
             self.grid, self.block, slab_blocks = packet_shape(spec.rot_items, heads, call.tokens)
         self.dims = (*self.grid, *self.block)
@@ -416,7 +514,7 @@ class Plan:
         # The parameters with the dynamic fields zero; each launching thread
         # packs its pointers into its own copy (see own_buffer).
         self.buf = bytes(_DYNAMIC.size) + fixed_params(call, slab_blocks,
-                                                       spec.mapping == "packets")
+                                                       spec.mapping == "packets", flat)
         self.buffers: dict = {}
 
         def slot(t, byte_offset=0):
@@ -631,12 +729,16 @@ def shipped_specs() -> list:
     {1, 1/2, 1/4} x NeoX/GPT-J x angle source (float32 tables, tables in x's
     dtype, inv_freq, angle table) x in place / out of place x position rule
     (implied, explicit, varlen, per-axis), plus the element-by-element path
-    for a strided last axis; and the same for one head per token with implied
-    positions. (The launcher picks the UNROLL 1 kernels for one head per token
-    and for partial rotary in place, and packet_kernel where it can, with
-    rope_kernel's twin for calls too large for it, for angles computed
-    from inv_freq or freqs with 16 or more heads and for explicit positions
-    in large calls.) The CPU tests compile
+    for a strided last axis; the same for one head per token with implied
+    and explicit positions, and for 32 heads with implied positions. (The
+    launcher picks the UNROLL 1 kernels for one head per token and for
+    partial rotary in place; flat_kernel for dense slabs with implied
+    positions and tables, with split angles when a block's rows lie at
+    several positions (few heads); packet_kernel where it can otherwise,
+    with packet_kernel's twin for calls flat_kernel cannot take, and
+    rope_kernel's for calls too large for it, for angles computed from
+    inv_freq or freqs with 16 or more heads and for explicit positions in
+    large calls.) The CPU tests compile
     all of them with NVRTC. Specs are derived by running :func:`choose_spec`
     on shape-only descriptions, so the list follows the launch policy.
     """
@@ -656,7 +758,7 @@ def shipped_specs() -> list:
 
     specs = []
     s = 16
-    for h, dtype in itertools.product((4, 1), ("float32", "float16", "bfloat16")):
+    for h, dtype in itertools.product((32, 4, 1), ("float32", "float16", "bfloat16")):
         for d in SHIPPED_HEAD_DIMS:
             for frac in SHIPPED_ROTARY_FRACTIONS:
                 r = int(d * frac) // 2 * 2
@@ -669,6 +771,8 @@ def shipped_specs() -> list:
                             for pos_mode in ("implied", "explicit", "varlen", "axes"):
                                 if h == 1 and pos_mode not in ("implied", "explicit"):
                                     continue  # the one-head kernels: a representative set
+                                if h == 32 and pos_mode != "implied":
+                                    continue  # flat_kernel for many heads (no split angles)
                                 for last_stride in (1, 2):
                                     if last_stride == 2 and (inplace or pos_mode != "implied"):
                                         continue
@@ -692,6 +796,8 @@ def shipped_specs() -> list:
                                                       inplace=inplace,
                                                       out=None if inplace else out, **kw)
                                     specs.append(choose_spec(call))
+                                    # packet_kernel's, for calls flat_kernel cannot take
+                                    specs.append(choose_spec(call, flat=False))
                                     # rope_kernel's twin, for calls of 2^31+ packets
                                     # and explicit positions in large calls
                                     specs.append(choose_spec(call, packets=False))

@@ -58,14 +58,20 @@ class Spec:
     unroll: int  # heads a thread loads before its first store
     pos_mode: str  # key of POS_MODES: implied | explicit | varlen | axes
     # Which kernel: "heads" (rope_kernel, kernels/rope.cu: a thread walks
-    # several heads; any rotary_dim, layout and position rule) or "packets"
+    # several heads; any rotary_dim, layout and position rule), "packets"
     # (packet_kernel, kernels/packet.cu: a thread rotates two 16-byte
-    # packets, GPT-J fp32 one; full rotary on 16-byte aligned views).
+    # packets, GPT-J fp32 one; full rotary on 16-byte aligned views) or
+    # "flat" (flat_kernel, kernels/flat.cu: one 16-byte packet per thread
+    # over dense slabs in memory order, implied positions, cos/sin tables).
     mapping: str = "heads"
+    # flat_kernel, NeoX: the two lanes of a rotation pair each read half of
+    # the angles they share and swap halves (for blocks whose rows lie at
+    # several positions).
+    split_angles: bool = False
 
     @property
     def source_file(self) -> str:
-        return "rope.cu" if self.mapping == "heads" else "packet.cu"
+        return {"heads": "rope.cu", "packets": "packet.cu", "flat": "flat.cu"}[self.mapping]
 
     @property
     def vec(self) -> int:
@@ -100,6 +106,10 @@ class Spec:
 
     def name_expression(self) -> str:
         b = lambda v: "true" if v else "false"  # noqa: E731
+        if self.mapping == "flat":
+            return "rope::flat_kernel<" + ", ".join([
+                CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),
+                b(self.interleaved), b(self.split_angles)]) + ">"
         if self.mapping == "packets":
             return "rope::packet_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),

@@ -51,6 +51,15 @@ struct Slab {
   // packet_kernel: 1 walks rows (outer, head, inner) instead of (outer,
   // inner, head): x stores heads outside the inner token axis.
   i64 head_major;
+  // flat_kernel (kernels/flat.cu): head rows of this slab, and a row's
+  // sequence index as (row / rows_per_step) % seq_len with both divisions
+  // by host-made reciprocals (seq_len 0: no modulo).
+  i64 flat_rows;
+  i64 flat_step_mul;
+  i64 flat_step_shift;
+  i64 flat_seq_len;
+  i64 flat_seq_mul;
+  i64 flat_seq_shift;
 };
 
 struct Params {

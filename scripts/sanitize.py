@@ -171,6 +171,36 @@ def positions_and_offsets():
 
 
 @case
+def flat_rows():
+    """flat_kernel: dense slabs in memory order, with rows at several
+    positions per block (split angles: [b, h, s, d] storage seen as bshd,
+    output of the same order), NeoX rows that leave lanes idle (d80 bf16),
+    a last warp with rows to spare, q + k with GQA, and an offset."""
+    n = 0
+    for dtype in ("float32", "bfloat16"):
+        for d, (b, s, h) in ((64, (2, 13, 3)), (80, (3, 7, 5)), (128, (1, 5, 3))):
+            cos, sin = tables(d, 40)
+            for interleaved in (False, True):
+                def bhsd_view(arrays):
+                    (x,) = arrays
+                    return [cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)]
+                for views in (None, bhsd_view):
+                    for inplace in (False, True):
+                        run(f"flat d{d} {dtype} gptj={interleaved} bhsd={views is not None} "
+                            f"inplace={inplace}", cupy_rope.apply_rope, dtype,
+                            [normal((b, s, h, d), dtype)],
+                            dict(cos=cos, sin=sin, interleaved=interleaved, offsets=3,
+                                 inplace=inplace),
+                            inplace_arrays=(0,) if inplace else (), views=views)
+                        n += 1
+                run(f"flat q+k sbhd d{d} {dtype} gptj={interleaved}", cupy_rope.apply_rope_qk,
+                    dtype, [normal((s, b, 4, d), dtype), normal((s, b, 1, d), dtype)],
+                    dict(cos=cos, sin=sin, layout="sbhd", interleaved=interleaved))
+                n += 1
+    return n
+
+
+@case
 def few_heads():
     """Fewer than 4 heads: the one-head kernels (UNROLL 1)."""
     n = 0

@@ -26,8 +26,12 @@ def test_every_shipped_specialization_compiles_for_sm90():
         for result in pool.map(_compile_chunk, chunks):
             lowered.update(result)
     assert set(lowered) == {s.name_expression() for s in specs}
-    assert all(name.startswith(("_ZN4rope11rope_kernel", "_ZN4rope13packet_kernel"))
+    assert all(name.startswith(("_ZN4rope11rope_kernel", "_ZN4rope13packet_kernel",
+                                "_ZN4rope11flat_kernel"))
                for name in lowered.values())
+    assert {s.mapping for s in specs} == {"heads", "packets", "flat"}
+    assert {s.split_angles for s in specs if s.mapping == "flat" and not s.interleaved} == {
+        False, True}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100"])

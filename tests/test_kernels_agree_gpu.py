@@ -1,12 +1,13 @@
-"""packet_kernel and rope_kernel give the same bits (GPU).
+"""flat_kernel, packet_kernel and rope_kernel give the same bits (GPU).
 
-Full rotary on aligned views runs packet_kernel (kernels/packet.cu);
-rope_kernel (kernels/rope.cu) still runs it for unaligned views, more than
-2^31 packets, and angles computed from inv_freq or freqs for 16 or more
-heads. Both spell the rotation with the same fmaf helpers, so
-each call below is made twice, once per kernel, and the outputs must be
-bitwise equal (and close to the float64 reference: the reference tests
-cover packet_kernel through the launcher's default choice).
+Dense slabs with implied positions and cos/sin tables run flat_kernel
+(kernels/flat.cu); other full-rotary calls on aligned views run
+packet_kernel (kernels/packet.cu); rope_kernel (kernels/rope.cu) still runs
+unaligned views, more than 2^31 packets, and angles computed from inv_freq
+or freqs for 16 or more heads. All spell the rotation with the same fmaf
+helpers, so each call below is made once per kernel the launcher may pick
+for it, and the outputs must be bitwise equal (and close to the float64
+reference: the reference tests cover the launcher's default choice).
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ pytestmark = pytest.mark.gpu
 ROWS = 64
 
 
-def _run(packets: bool, monkeypatch, x_dev, kw_dev, mode, dtype, out_like_x=False, **common):
-    """One call with packet_kernel allowed or not; returns (output, kernel
-    mapping, head-major rows). ``out_like_x``: the output has x's memory
-    order (else it is contiguous)."""
+def _run(kernels: str, monkeypatch, x_dev, kw_dev, mode, dtype, out_like_x=False, **common):
+    """One call with the kernels allowed ("flat": all, "packets":
+    packet_kernel and rope_kernel, "heads": rope_kernel only); returns
+    (output, kernel mapping, head-major rows). ``out_like_x``: the output has
+    x's memory order (else it is contiguous)."""
     import cupy
 
-    monkeypatch.setattr(launch, "PACKET_KERNELS", packets)
+    monkeypatch.setattr(launch, "FLAT_KERNELS", kernels == "flat")
+    monkeypatch.setattr(launch, "PACKET_KERNELS", kernels != "heads")
     monkeypatch.setattr(api, "_plans", {})
     if mode == "inplace":
         work = cupy.empty_like(x_dev)
@@ -52,8 +55,12 @@ def _run(packets: bool, monkeypatch, x_dev, kw_dev, mode, dtype, out_like_x=Fals
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
-def test_packet_and_heads_kernels_agree(rng, monkeypatch, interleaved, dtype, head_dim, mode):
+def test_flat_packet_and_heads_kernels_agree(rng, monkeypatch, interleaved, dtype, head_dim,
+                                             mode):
     s, h = 7, 5
+    # flat_kernel's NeoX rows fill a warp but for at most 2 lanes
+    packets = head_dim * np.dtype(np_dtype(dtype)).itemsize // 16
+    flat_rows = interleaved or (packets <= 32 and 32 % packets <= launch.FLAT_MAX_IDLE_LANES)
     # (layout, x stored as, batch, explicit positions, output in x's memory
     # order). Storage orders with heads outside the token axes (bhsd seen as
     # bshd, shbd as sbhd, htd as thd) are walked head-major by packet_kernel:
@@ -80,32 +87,40 @@ def test_packet_and_heads_kernels_agree(rng, monkeypatch, interleaved, dtype, he
             if positions:
                 kw["positions"] = rng.integers(0, ROWS, pos_shape).astype(np.int32)
             kw_dev = {k: to_device(v) for k, v in kw.items()}
+            flat = (not positions and name.startswith("table") and flat_rows
+                    and (mode == "inplace" or out_like_x or not head_major))
             for backward in (False, True):
                 common = dict(layout=layout, interleaved=interleaved, backward=backward)
-                got_p, kind_p, major_p = _run(True, monkeypatch, x_dev, kw_dev, mode, dtype,
+                got_f, kind_f, _ = _run("flat", monkeypatch, x_dev, kw_dev, mode, dtype,
+                                        out_like_x, **common)
+                got_p, kind_p, major_p = _run("packets", monkeypatch, x_dev, kw_dev, mode, dtype,
                                               out_like_x, **common)
-                got_h, kind_h, _ = _run(False, monkeypatch, x_dev, kw_dev, mode, dtype,
+                got_h, kind_h, _ = _run("heads", monkeypatch, x_dev, kw_dev, mode, dtype,
                                         out_like_x, **common)
                 what = (f"{storage} as {layout} positions={positions} out_like_x={out_like_x} "
                         f"{name} backward={backward}")
-                assert (kind_p, kind_h) == ("packets", "heads"), what
+                assert (kind_f, kind_p, kind_h) == (
+                    "flat" if flat else "packets", "packets", "heads"), what
                 assert major_p == head_major, what
                 assert np.array_equal(bits(got_p), bits(got_h)), what
+                assert np.array_equal(bits(got_f), bits(got_h)), what
                 assert_close(got_p, oracle(x, **kw, **common), dtype, what)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_qk_with_one_slab_walked_head_major(rng, monkeypatch, dtype):
-    """q stored [b, h, s, d] (walked head-major) and k contiguous bshd in one
-    launch: both kernels give the same bits, close to float64."""
+    """q stored [b, h, s, d] (walked head-major by packet_kernel, rows at
+    several positions per flat_kernel block) and k contiguous bshd in one
+    launch: all kernels give the same bits, close to float64."""
     b, s, hq, hk, d = 2, 9, 6, 2, 64
     q = rng.standard_normal((b, hq, s, d)).astype(np_dtype(dtype)).transpose(0, 2, 1, 3)
     k = rng.standard_normal((b, s, hk, d)).astype(np_dtype(dtype))
     src = angle_sources(rng, dtype, d, ROWS)["table_f32"]
     kw_dev = {n: to_device(v) for n, v in src.items()}
     got = {}
-    for packets in (True, False):
-        monkeypatch.setattr(launch, "PACKET_KERNELS", packets)
+    for kernels in ("flat", "packets", "heads"):
+        monkeypatch.setattr(launch, "FLAT_KERNELS", kernels == "flat")
+        monkeypatch.setattr(launch, "PACKET_KERNELS", kernels != "heads")
         monkeypatch.setattr(api, "_plans", {})
         k_dev = to_device(k)
         q_dev = to_device(np.ascontiguousarray(q.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
@@ -115,10 +130,13 @@ def test_qk_with_one_slab_walked_head_major(rng, monkeypatch, dtype):
         (prepared,) = api._plans.values()
         fixed = dict(zip((n for n, _ in launch.FIXED_FIELDS),
                          launch._FIXED.unpack_from(prepared.plan.buf, launch._DYNAMIC.size)))
-        assert prepared.plan.spec.mapping == ("packets" if packets else "heads")
+        spec = prepared.plan.spec
+        assert spec.mapping == kernels
+        assert spec.split_angles == (kernels == "flat")
         assert (fixed["slab[0].head_major"], fixed["slab[1].head_major"]) == (
-            (1, 0) if packets else (0, 0))
-        got[packets] = (to_host(out_q), to_host(out_k))
+            (1, 0) if kernels == "packets" else (0, 0))
+        got[kernels] = (to_host(out_q), to_host(out_k))
     for i, (x, name) in enumerate(((q, "q"), (k, "k"))):
-        assert np.array_equal(bits(got[True][i]), bits(got[False][i])), name
-        assert_close(got[True][i], oracle(x, **src, layout="bshd"), dtype, name)
+        for kernels in ("flat", "packets"):
+            assert np.array_equal(bits(got[kernels][i]), bits(got["heads"][i])), (kernels, name)
+        assert_close(got["flat"][i], oracle(x, **src, layout="bshd"), dtype, name)

@@ -56,7 +56,7 @@ def test_bound_launcher_packs_pointers_and_launches(driver_calls):
     calls, _ = driver_calls
     plan, general = fake_plan(SLOTS)
     plan.buf = (b"\xff" * launch._DYNAMIC.size  # stale values
-                + bytes(range(256)) * 2 + bytes(range(launch._FIXED.size - 512)))
+                + (bytes(range(256)) * (launch._FIXED.size // 256 + 1))[:launch._FIXED.size])
     go = make(plan)
     q, k, pos = 1 << 24, 2 << 24, 3 << 24
     assert go(q, k, pos) is True
@@ -202,8 +202,8 @@ def test_too_many_heads_is_refused_before_launch():
 
 
 @pytest.mark.parametrize("rotary_dim,inplace,unroll,mapping", [
-    (128, True, 1, "packets"),    # full rotary: packet_kernel
-    (128, False, 1, "packets"),
+    (128, True, 1, "flat"),    # full rotary, tables, implied positions: flat_kernel
+    (128, False, 1, "flat"),
     (32, False, launch.UNROLL, "heads"),  # partial out of place: the tail is copied
     (32, True, 1, "heads"),       # partial in place: one head per thread
     (64, True, 1, "heads"),
@@ -230,7 +230,7 @@ def test_unroll_policy_for_partial_rotary(rotary_dim, inplace, unroll, mapping):
 
 
 @pytest.mark.parametrize("source,heads,mapping", [
-    ("table", 32, "packets"), ("inv_freq", 32, "heads"), ("freqs", 32, "heads"),
+    ("table", 32, "flat"), ("inv_freq", 32, "heads"), ("freqs", 32, "heads"),
     ("inv_freq", launch.COMPUTED_ANGLES_HEADS - 1, "packets"), ("freqs", 8, "packets")])
 def test_computed_angles_for_many_heads_use_rope_kernel(source, heads, mapping):
     """Angles computed in the kernel (inv_freq, freqs) are found once per
@@ -269,7 +269,8 @@ def test_packet_kernel_policy(interleaved, inplace, dtype, last_stride, ptr_offs
     kw = dict(inplace=True) if inplace else dict(out=Tensor(
         None, "cupy", 1 << 43, (16, h, d), (h * d, d, 1), dtype, (CUDA, 0), False))
     call = check_call(x, cos=cos, sin=sin, layout="thd", interleaved=interleaved, **kw)
-    assert launch.choose_spec(call).mapping == mapping
+    assert launch.choose_spec(call, flat=False).mapping == mapping
+    assert launch.choose_spec(call).mapping == ("flat" if mapping == "packets" else mapping)
 
 
 @pytest.mark.parametrize("d", [1, 2, 3, 5, 7, 24, 32, 40, 100, 4095, 65536, 65537,
@@ -330,7 +331,11 @@ def test_gptj_packets_read_16_bit_tables_whole_rows_only_when_aligned(row_stride
     for interleaved in (False, True):
         call = check_call(x, cos=cos, sin=sin, layout="thd", inplace=True,
                           interleaved=interleaved)
-        spec = launch.choose_spec(call)
+        # flat_kernel reads a packet's frequencies (NeoX 8: 16 bytes, GPT-J 4: 8
+        # bytes) as one run, so NeoX needs 16-byte aligned rows
+        assert launch.choose_spec(call).mapping == (
+            "packets" if strided and not interleaved else "flat")
+        spec = launch.choose_spec(call, flat=False)
         assert spec.mapping == "packets"
         assert spec.table_strided == strided
         if interleaved:
@@ -340,7 +345,7 @@ def test_gptj_packets_read_16_bit_tables_whole_rows_only_when_aligned(row_stride
 
 @pytest.mark.parametrize("rule,tokens,mapping", [
     ("explicit", 16, "packets"), ("explicit", launch.EXPLICIT_PACKET_ROWS // 8 - 1, "packets"),
-    ("explicit", launch.EXPLICIT_PACKET_ROWS // 8, "heads"), ("implied", 1 << 16, "packets"),
+    ("explicit", launch.EXPLICIT_PACKET_ROWS // 8, "heads"), ("implied", 1 << 16, "flat"),
     ("varlen", 16, "heads")])
 def test_packet_kernel_position_rules(rule, tokens, mapping):
     """Explicit positions use packet_kernel below EXPLICIT_PACKET_ROWS rows
@@ -378,7 +383,163 @@ def test_packet_rows_head_major_when_heads_are_stored_outside_tokens(storage, pa
     x = Tensor(None, "cupy", 1 << 40, (b, s, h, d), st, "bfloat16", (CUDA, 0), False)
     cos = Tensor(None, "cupy", 1 << 41, (s, d // 2), (d // 2, 1), "float32", (CUDA, 0), False)
     call = check_call(x, cos=cos, sin=cos, layout="bshd", inplace=True)
-    assert launch.choose_spec(call).mapping == "packets"
+    assert launch.choose_spec(call, flat=False).mapping == "packets"
     fixed = dict(zip((n for n, _ in launch.FIXED_FIELDS),
                      launch._FIXED.unpack(launch.fixed_params(call, [(0, 0, 0, 0)], packets))))
     assert fixed["slab[0].head_major"] == head_major
+
+
+# ------------------------------------------------------------ flat_kernel --
+def _dense(shape, order, dtype="bfloat16", ptr=1 << 40):
+    """A Tensor of ``shape`` stored densely with its axes in ``order``
+    (outermost first), e.g. a [b, s, h, d] view of [b, h, s, d] storage:
+    order (0, 2, 1, 3)."""
+    from cupy_rope.interop import CUDA, Tensor
+
+    strides, acc = [0] * len(shape), 1
+    for ax in reversed(order):
+        strides[ax] = acc
+        acc *= shape[ax]
+    return Tensor(None, "cupy", ptr, tuple(shape), tuple(strides), dtype, (CUDA, 0), False)
+
+
+def _table(rows, half, dtype="float32", ptr=1 << 41):
+    from cupy_rope.interop import CUDA, Tensor
+
+    return Tensor(None, "cupy", ptr, (rows, half), (half, 1), dtype, (CUDA, 0), False)
+
+
+@pytest.mark.parametrize("case,mapping,split", [
+    ("bshd", "flat", False), ("sbhd", "flat", False), ("bhsd view", "flat", True),
+    ("bhsd view, contiguous out", "packets", None), ("thd 4 heads", "flat", True),
+    ("in place", "flat", False), ("gptj bhsd view", "flat", False),
+    ("explicit positions", "packets", None), ("offsets per batch entry", "packets", None),
+    ("context parallel", "packets", None), ("d80 bf16", "flat", False),
+    ("d96 bf16", "packets", None), ("d96 bf16 gptj", "flat", False),
+    ("d80 fp32", "packets", None), ("d256 fp32", "packets", None),
+    ("d256 fp32 gptj", "flat", False), ("partial rotary", "heads", None),
+    ("inv_freq", "heads", None), ("unaligned table rows", "packets", None)])
+def test_flat_kernel_policy(case, mapping, split):
+    """flat_kernel takes dense slabs whose output has x's strides, full
+    rotary, cos/sin tables, implied positions with a scalar offset only, and
+    (NeoX) rows that fill a warp but for at most FLAT_MAX_IDLE_LANES lanes;
+    NeoX lanes split the angle reads when a block's rows lie at several
+    positions."""
+    from cupy_rope.interop import CUDA, Tensor
+    from cupy_rope.validate import check_call
+
+    b, s, h, d = 2, 16, 32, 128
+    dtype = "float32" if "fp32" in case else "bfloat16"
+    if case.startswith("d"):
+        d = int(case[1:4])
+    layout, shape, order = "bshd", (b, s, h, d), (0, 1, 2, 3)
+    if case == "sbhd":
+        layout, shape = "sbhd", (s, b, h, d)
+    elif "bhsd view" in case:
+        order = (0, 2, 1, 3)
+    elif case == "thd 4 heads":
+        layout, shape, order = "thd", (s, 4, d), (0, 1, 2)
+    x = _dense(shape, order, dtype)
+    kw = {"interleaved": "gptj" in case}
+    r = d // 2 if case == "partial rotary" else d
+    if case == "inv_freq":
+        kw["inv_freq"] = Tensor(None, "cupy", 1 << 41, (r // 2,), (1,), "float32", (CUDA, 0),
+                                False)
+    elif case == "unaligned table rows":
+        t = Tensor(None, "cupy", 1 << 41, (s, d // 2), (d // 2 + 4, 1), "float32", (CUDA, 0),
+                   False)
+        kw.update(cos=t, sin=t)
+    else:
+        kw.update(cos=_table(2 * s, r // 2), sin=_table(2 * s, r // 2, ptr=1 << 42))
+    if case == "explicit positions":
+        kw["positions"] = _dense((b, s), (0, 1), "int32", 1 << 43)
+    elif case == "offsets per batch entry":
+        kw["offsets"] = _dense((b,), (0,), "int32", 1 << 43)
+    elif case == "context parallel":
+        kw.update(cp_size=2, cp_rank=1)
+    if case == "in place":
+        kw["inplace"] = True
+    else:
+        out_order = order if "contiguous out" not in case else tuple(range(len(shape)))
+        kw["out"] = _dense(shape, out_order, dtype, 1 << 44)
+    call = check_call(x, layout=layout, rotary_dim=r, **kw)
+    spec = launch.choose_spec(call)
+    assert spec.mapping == mapping
+    if split is not None:
+        assert spec.split_angles == split
+    if mapping == "flat":  # flat=False: what runs without it
+        assert launch.choose_spec(call, flat=False).mapping == "packets"
+
+
+STORAGE = {  # layout, logical shape from (b, s, h), storage order of the logical axes
+    "bshd": ("bshd", lambda b, s, h: (b, s, h), (0, 1, 2, 3)),
+    "sbhd": ("sbhd", lambda b, s, h: (s, b, h), (0, 1, 2, 3)),
+    "bhsd as bshd": ("bshd", lambda b, s, h: (b, s, h), (0, 2, 1, 3)),
+    "hbsd as bshd": ("bshd", lambda b, s, h: (b, s, h), (2, 0, 1, 3)),
+    "sbhd as bshd": ("bshd", lambda b, s, h: (b, s, h), (1, 0, 2, 3)),
+    "shbd as sbhd": ("sbhd", lambda b, s, h: (s, b, h), (0, 2, 1, 3)),
+    "bhsd as sbhd": ("sbhd", lambda b, s, h: (s, b, h), (1, 2, 0, 3)),
+    "thd": ("thd", lambda b, s, h: (b * s, h), (0, 1, 2)),
+    "htd as thd": ("thd", lambda b, s, h: (b * s, h), (1, 0, 2)),
+}
+
+
+@pytest.mark.parametrize("storage", sorted(STORAGE))
+@pytest.mark.parametrize("b,s,h", [(1, 1, 1), (3, 1, 5), (1, 7, 1), (2, 9, 3), (3, 5, 4),
+                                   (4, 33, 7), (1, 64, 32)])
+@pytest.mark.parametrize("dtype,d,interleaved", [
+    ("bfloat16", 128, False), ("bfloat16", 80, False), ("float32", 64, False),
+    ("bfloat16", 96, True), ("float32", 256, True), ("bfloat16", 16, False)])
+def test_flat_kernel_index_math(storage, b, s, h, dtype, d, interleaved):
+    """kernels/flat.cu's index math, emulated on the plan's parameters: the
+    grid of flat_shape gives every (row, packet) of every slab to exactly one
+    lane, and a row's position, (row / rows_per_step) % seq_len by host-made
+    reciprocals, is the sequence index of the memory it addresses (row *
+    head_dim elements from the start)."""
+    from cupy_rope.validate import check_call
+
+    layout, tokens, order = STORAGE[storage]
+    shape = (*tokens(b, s, h), d)
+    x = _dense(shape, order, dtype)
+    tab = _table(max(s, b * s), d // 2)
+    call = check_call(x, cos=tab, sin=tab, layout=layout, interleaved=interleaved,
+                      out=_dense(shape, order, dtype, 1 << 44))
+    spec = launch.choose_spec(call)
+    assert spec.mapping == "flat"
+    geometry = launch.flat_geometry(call)
+    (rows, step, seq), = geometry
+    packets = d * (4 if dtype == "float32" else 2) // 16
+    grid, block, slabs = launch.flat_shape(packets, interleaved, [rows])
+    assert block == (launch.FLAT_THREADS, 1, 1) and slabs == [(0, 0, 0, 0)]
+    fields = dict(zip((n for n, _ in launch.FIXED_FIELDS), launch._FIXED.unpack(
+        launch.fixed_params(call, slabs, flat=geometry))))
+    assert fields["slab[0].flat_rows"] == rows == int(np.prod(shape)) // d
+
+    # Every lane of the grid, as the kernel maps it.
+    lanes = 32 if interleaved else 32 // packets * packets
+    warp = np.arange(grid[0] * launch.FLAT_THREADS // 32)
+    lane = np.arange(32)
+    unit = (warp[:, None] * lanes + lane[None, :]).ravel()
+    lane_of = np.broadcast_to(lane, (len(warp), 32)).ravel()
+    row = unit // packets
+    live = (lane_of < lanes) & (row < rows)
+    pairs = row[live] * packets + unit[live] % packets
+    assert np.array_equal(np.sort(pairs), np.arange(rows * packets))  # each exactly once
+
+    # Positions by the kernel's arithmetic against the memory each row addresses.
+    r = np.arange(rows, dtype=np.int64)
+    stp = (r * fields["slab[0].flat_step_mul"]) >> fields["slab[0].flat_step_shift"]
+    n = fields["slab[0].flat_seq_len"]
+    index = stp - ((stp * fields["slab[0].flat_seq_mul"]) >> fields["slab[0].flat_seq_shift"]) * n \
+        if n else stp
+    offset = r * d  # element offset of the row; its logical indices by x's strides
+    seq_axis = {"bshd": 1, "sbhd": 0, "thd": 0}[layout]
+    strides = x.strides[:-1]
+    idx = np.zeros((rows, len(strides)), dtype=np.int64)  # axes of size 1 stay at 0
+    rem = offset.copy()
+    for ax in sorted((a for a in range(len(strides)) if shape[a] > 1),
+                     key=lambda a: -strides[a]):
+        idx[:, ax] = rem // strides[ax]
+        rem -= idx[:, ax] * strides[ax]
+    assert not rem.any()
+    assert np.array_equal(index, idx[:, seq_axis])

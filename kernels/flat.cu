@@ -1,0 +1,204 @@
+// Rotary position embedding over dense tensors walked in memory order: one
+// 16-byte packet per thread, the NeoX rotation partner taken from another
+// lane of the warp. Same Params, angles and rotation helpers as packet_kernel
+// and rope_kernel (kernels/packet.cu, kernels/rope.cu):
+//   a' = a cos(theta_f) - b sin(theta_f)
+//   b' = b cos(theta_f) + a sin(theta_f)
+// for the pairs (a, b) = (f, f + HEAD_DIM/2) (NeoX) or (2f, 2f + 1) (GPT-J).
+//
+// The launcher (cupy_rope/launch.py `flat_geometry`) picks this kernel when
+// every slab's x, and its output, are dense arrays of head rows with the
+// same strides (bshd, sbhd, thd, or any permutation of the token and head
+// axes, such as a [b, h, s, d] tensor seen as bshd), full rotary, a cos/sin
+// table and implied positions. Then head row r of a slab sits at
+// r * HEAD_DIM elements from its first one, and its position is
+//   pos = (r / rows_per_step) % seq_len + offset
+// where rows_per_step is the number of head rows between consecutive
+// sequence indices (the product of the axes stored inside the sequence axis)
+// and the modulo is skipped when no axis is stored outside it.
+//
+// Why a third kernel: at the copy rate an SM has a few hundred instruction
+// slots per 16-byte packet (docs/perf-notes.md), and packet_kernel's general
+// prologue (strided views, grouped heads, token decomposition) is most of
+// it. Here a thread's work is the flat index, one compile-time division, two
+// multiply-shift divisions, one load, one shuffle, one table row and one
+// store, in 32 registers or fewer: 2048 threads per SM. Every warp load and
+// store covers contiguous memory (32 packets: 512 bytes), the access pattern
+// of a plain copy. (bf16 on the H100, of a same-run copy, against
+// packet_kernel: bshd [1, 4096, 128, 128] 0.989 -> 1.000, sbhd [512, 32,
+// 24, 128] 0.981 -> 0.996, q + k prefill 0.990 -> 0.997, d80 q + k 0.978
+// -> 0.988; docs/perf-notes.md v11.)
+#include "angles.cuh"
+
+namespace rope {
+
+// Threads per block (cupy_rope/launch.py FLAT_THREADS), and the blocks per
+// SM asked of the compiler: all the threads an SM holds (2048 on sm_80,
+// sm_90 and sm_100: 32 registers each; 39 unbounded gave 6 blocks of 256
+// and 0.94-0.97 of copy on the H100).
+constexpr int FLAT_THREADS = 128;
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 750)
+constexpr int SM_MAX_THREADS = 1024;
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || \
+                                 __CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
+constexpr int SM_MAX_THREADS = 1536;
+#else
+constexpr int SM_MAX_THREADS = 2048;
+#endif
+constexpr int FLAT_MIN_BLOCKS = SM_MAX_THREADS / FLAT_THREADS;
+
+// floor(n / d) for n < 2^31, with (mul, shift) from cupy_rope/launch.py
+// `reciprocal(d)` (see kernels/packet.cu divide()); (0, 0) gives 0.
+__device__ __forceinline__ unsigned flat_divide(unsigned n, i64 mul, i64 shift) {
+  return static_cast<unsigned>((static_cast<unsigned long long>(n) *
+                                static_cast<unsigned long long>(mul)) >> shift);
+}
+
+// N cos or sin values of one table row from element `offset` on, as one
+// run (the launcher checked its alignment) with the tables' L2 evict-last
+// policy (kernels/dtype.cuh load_reused).
+template <typename AngleT, int N>
+__device__ __forceinline__ void table_row(const void* table, i64 offset, float (&v)[N]) {
+  to_floats(load_reused<AngleT, N, false>(static_cast<const AngleT*>(table) + offset, 1), v);
+}
+
+// The fields of this block's slab that the kernel reads (block-uniform):
+// slab k covers blockIdx.x from slab[k].block_begin on. Picked field by
+// field with compile-time indices, without copying the whole Slab.
+struct FlatSlab {
+  const void* x;
+  void* out;
+  i64 block_begin, rows, step_mul, step_shift, seq_len, seq_mul, seq_shift;
+};
+
+__device__ __forceinline__ FlatSlab flat_slab(const Params& p) {
+  int k = 0;
+#pragma unroll
+  for (int i = 1; i < MAX_SLABS; ++i)
+    if (i < p.n_slabs && blockIdx.x >= p.slab[i].block_begin) k = i;
+  FlatSlab f;
+#pragma unroll
+  for (int i = 0; i < MAX_SLABS; ++i) {
+    if (i == k) {
+      const Slab& s = p.slab[i];
+      f = FlatSlab{p.x_data[i], p.out_data[i], s.block_begin, s.flat_rows, s.flat_step_mul,
+                   s.flat_step_shift, s.flat_seq_len, s.flat_seq_mul, s.flat_seq_shift};
+    }
+  }
+  return f;
+}
+
+// SPLIT_ANGLES (NeoX): the two lanes of a rotation pair, which need the same
+// cos/sin, each read half of them and swap halves by shuffle. The launcher
+// sets it when a block's rows lie at several positions, so that most table
+// reads go to L2 (a [b, h, s, d] tensor seen as bshd: 0.987 -> 0.996 of copy;
+// with one position per block it costs 0.3%).
+template <typename T, typename AngleT, int HEAD_DIM, bool INTERLEAVED, bool SPLIT_ANGLES>
+__global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(const Params p) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per packet
+  constexpr int PACKETS = HEAD_DIM / VEC;                // packets per head row
+  constexpr int HALF = PACKETS / 2;                      // NeoX: partner distance, in packets
+  static_assert(INTERLEAVED ? HEAD_DIM % VEC == 0 : HEAD_DIM % (2 * VEC) == 0,
+                "a head row is a whole number of packets (NeoX: of each half)");
+  static_assert(INTERLEAVED || PACKETS <= 32, "NeoX: a head row within one warp");
+  // Lanes of a warp that hold packets: NeoX, whole head rows (d80 bf16: 3
+  // rows of 10 packets, 2 lanes idle); GPT-J, all 32 (a packet holds whole pairs).
+  constexpr int LANES = INTERLEAVED ? 32 : (32 / PACKETS) * PACKETS;
+  // Frequencies of a packet: NeoX, VEC (its partner uses the same ones);
+  // GPT-J, the packet's VEC / 2 pairs.
+  constexpr int FREQS = INTERLEAVED ? VEC / 2 : VEC;
+
+  const FlatSlab sl = flat_slab(p);
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned warp = (blockIdx.x - static_cast<unsigned>(sl.block_begin)) *
+                            (FLAT_THREADS / 32) + threadIdx.x / 32u;
+  // (The launcher keeps a slab's rows x PACKETS below 2^31: 32-bit index math.)
+  const unsigned rows = static_cast<unsigned>(sl.rows);
+  if (warp * LANES / PACKETS >= rows) return;  // the last block's spare warps (warp-uniform)
+  const unsigned unit = warp * LANES + lane;
+  const unsigned row = unit / PACKETS;
+  const int pk = static_cast<int>(unit - row * PACKETS);
+  // A live lane's NeoX partner is in the same row, so it is live too.
+  const bool live = (INTERLEAVED || lane < LANES) && row < rows;
+
+  const i64 first = static_cast<i64>(row) * HEAD_DIM + pk * VEC;
+  const T* x = static_cast<const T*>(sl.x) + first;
+  T* out = static_cast<T*>(sl.out) + first;
+  // A plain load, also out of place: through the non-coherent path (which
+  // packet_kernel takes) this kernel lost 2-4% on bf16 bshd, sbhd and d80.
+  Packet<T, VEC> raw{};
+  if (live) raw = load_raw<T, VEC>(x, 1);
+
+  // The position: the row's sequence index plus the scalar offset. The host
+  // checked every position of the call against the table (implied
+  // positions are known there), so the rows are read without a bounds test;
+  // a lane with no row reads row 0.
+  const unsigned step = flat_divide(row, sl.step_mul, sl.step_shift);
+  const unsigned seq = static_cast<unsigned>(sl.seq_len);
+  const unsigned index = seq ? step - flat_divide(step, sl.seq_mul, sl.seq_shift) * seq : step;
+  const i64 pos = live ? static_cast<i64>(index) + p.offset : 0;
+
+  // The table rows are requested before the partner exchange, which waits
+  // for x: both loads are in flight together. NeoX: the partner is the lane
+  // HALF away, in the same row.
+  const bool first_half = INTERLEAVED || pk < HALF;
+  const int partner_lane = static_cast<int>(lane) + (first_half ? HALF : -HALF);
+  const int f0 = INTERLEAVED ? pk * FREQS : (first_half ? pk : pk - HALF) * VEC;
+  float c[FREQS], s[FREQS], v[VEC];
+  if constexpr (INTERLEAVED || !SPLIT_ANGLES) {
+    table_row<AngleT, FREQS>(p.cos, pos * p.cos_stride_row + f0, c);
+    table_row<AngleT, FREQS>(p.sin, pos * p.sin_stride_row + f0, s);
+  } else {
+    // Frequencies [f0, f0 + FREQS / 2) read by the first-half lane, the rest
+    // by its partner; each then takes the other's half.
+    constexpr int H2 = FREQS / 2;
+    const int mine = f0 + (first_half ? 0 : H2);
+    float mine_c[H2], mine_s[H2];
+    table_row<AngleT, H2>(p.cos, pos * p.cos_stride_row + mine, mine_c);
+    table_row<AngleT, H2>(p.sin, pos * p.sin_stride_row + mine, mine_s);
+#pragma unroll
+    for (int i = 0; i < H2; ++i) {
+      const float other_c = __shfl_sync(0xffffffffu, mine_c[i], partner_lane);
+      const float other_s = __shfl_sync(0xffffffffu, mine_s[i], partner_lane);
+      c[i] = first_half ? mine_c[i] : other_c;
+      c[H2 + i] = first_half ? other_c : mine_c[i];
+      s[i] = first_half ? mine_s[i] : other_s;
+      s[H2 + i] = first_half ? other_s : mine_s[i];
+    }
+  }
+  // The rotation as rotated_first / rotated_second (kernels/angles.cuh)
+  // spell it, with the direction (p.sin_sign, -1 backward) folded into the
+  // sign of the product: multiplying by -1 is exact, so the bits are the
+  // other kernels'.
+  const float sign = p.sin_sign;
+  to_floats(raw, v);
+  if constexpr (INTERLEAVED) {
+    // (a, b) -> (a c - b s, b c + a s) for each pair of the packet
+#pragma unroll
+    for (int i = 0; i < FREQS; ++i) {
+      const float a = v[2 * i], b = v[2 * i + 1];
+      v[2 * i] = fmaf(a, c[i], -sign * (b * s[i]));
+      v[2 * i + 1] = fmaf(b, c[i], sign * (a * s[i]));
+    }
+  } else {
+    // The partner packet (channels HALF packets away, in the other half of
+    // the row) comes from the lane that read it: each packet is read once,
+    // by its own thread, so in place is safe as well.
+    unsigned w[4], pw[4];
+    memcpy(w, &raw, 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pw[i] = __shfl_sync(0xffffffffu, w[i], partner_lane);
+    Packet<T, VEC> partner;
+    memcpy(&partner, pw, 16);
+    float b[VEC];
+    to_floats(partner, b);
+    // First half: a' = a c - b s; second half: b' = b c + a s (the partner
+    // is a): both fmaf(mine, c, +-(partner s)).
+    const float signed_sin = first_half ? -sign : sign;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = fmaf(v[i], c[i], signed_sin * (b[i] * s[i]));
+  }
+  if (live) store<T, VEC>(out, 1, v);
+}
+
+}  // namespace rope
