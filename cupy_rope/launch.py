@@ -61,9 +61,11 @@ PACKET_THREADS = 256  # threads per block, at most kernels/packet.cu PACKET_THRE
 # 16-byte packet per thread, implied positions and cos/sin tables.
 FLAT_KERNELS = True
 FLAT_THREADS = 128  # kernels/flat.cu FLAT_THREADS (its launch bounds and warp indexing)
-# NeoX rows that leave more lanes of a warp idle than this stay on
-# packet_kernel (a warp holds whole rows: d96 bf16, 12 packets, idles 8).
+# NeoX rows that leave more lanes of a warp idle than this (a warp holds
+# whole rows: d96 bf16, 12 packets, idles 8) load their rotation partner
+# themselves out of place, and stay on packet_kernel in place.
 FLAT_MAX_IDLE_LANES = 2
+FLAT_PARTNER_LOAD_ALWAYS = False  # scripts/quick_perf.py: every NeoX call out of place
 MAX_PACKET_UNITS = 1 << 31  # packet_kernel indexes a slab's units in 32 bits
 MAX_SLABS = 3
 MAX_HEADS = 1 << 30  # heads per token (kernels/rope.cu indexes heads in 32 bits)
@@ -218,23 +220,28 @@ def choose_spec(call: Call, packets: bool = True, flat: bool = True) -> Spec:
     # partner from the lane half a head away), a prologue of a few integer
     # operations. (bf16 on the H100, of copy, packet_kernel -> flat_kernel:
     # bshd [1, 4096, 128, 128] 0.989 -> 1.000, sbhd [512, 32, 24, 128] 0.981
-    # -> 0.996, q + k prefill 0.990 -> 0.997, d80 q + k 0.978 -> 0.988; d96
-    # NeoX, whose 12-packet rows leave 8 lanes of every warp idle, 0.986 ->
-    # 0.979: stays on packet_kernel; docs/perf-notes.md v11.)
+    # -> 0.996, q + k prefill 0.990 -> 0.997, d80 q + k 0.978 -> 0.988. d96
+    # NeoX, whose 12-packet rows would leave 8 lanes of every warp idle
+    # (0.979), loads its partner itself out of place: 0.984-0.990 against
+    # packet_kernel's 0.977-0.987, and stays on packet_kernel in place;
+    # docs/perf-notes.md v11.)
     vec = 2 * pairs if call.interleaved else pairs  # channels per packet
     row_packets = d // vec
+    tiles = row_packets <= 32 and 32 % row_packets <= FLAT_MAX_IDLE_LANES
+    partner_load = (not call.interleaved and not call.inplace
+                    and (FLAT_PARTNER_LOAD_ALWAYS or not tiles))
     geometry = None
     if (packets and flat and FLAT_KERNELS and r == d and not strided and not table_strided
-            and vec * item == MAX_VECTOR_BYTES
-            and (call.interleaved
-                 or (row_packets <= 32 and 32 % row_packets <= FLAT_MAX_IDLE_LANES))):
+            and vec * item == MAX_VECTOR_BYTES and (call.interleaved or tiles or partner_load)):
         geometry = flat_geometry(call)
     if geometry is not None:
         # NeoX pair lanes split the table reads when a block's rows lie at
         # several positions (rows per position below rows per block).
-        block_rows = FLAT_THREADS // 32 * (32 // row_packets) if row_packets <= 32 else 0
-        split = not call.interleaved and any(0 < step < block_rows for _, step, _ in geometry)
-        return dataclasses.replace(spec, unroll=1, mapping="flat", split_angles=split)
+        shuffle = not call.interleaved and not partner_load
+        block_rows = FLAT_THREADS // 32 * (32 // row_packets) if shuffle else 0
+        split = shuffle and any(0 < step < block_rows for _, step, _ in geometry)
+        return dataclasses.replace(spec, unroll=1, mapping="flat", split_angles=split,
+                                   partner_load=partner_load)
     packet_spec = dataclasses.replace(spec, unroll=1, mapping="packets")
     units = packet_spec.rot_items  # packet_kernel threads per head
     # (NeoX packets tile each half by the choice of `pairs`; a GPT-J thread's
@@ -372,12 +379,13 @@ def flat_geometry(call: Call):
     return geometry
 
 
-def flat_shape(packets_per_row: int, interleaved: bool, slab_rows):
+def flat_shape(packets_per_row: int, all_lanes: bool, slab_rows):
     """Grid, block and per-slab block layout for flat_kernel: each slab's
     head rows of ``packets_per_row`` packets, one per thread; a NeoX warp
-    holds whole rows (its idle lanes, if 32 is not a multiple of the row,
-    count too); slabs[k] = (block_begin, 0, 0, 0)."""
-    lanes = 32 if interleaved else 32 // packets_per_row * packets_per_row
+    that shuffles (``all_lanes`` False) holds whole rows (its idle lanes, if
+    32 is not a multiple of the row, count too); slabs[k] = (block_begin, 0,
+    0, 0)."""
+    lanes = 32 if all_lanes else 32 // packets_per_row * packets_per_row
     warps_per_block = FLAT_THREADS // 32
     slabs, begin = [], 0
     for rows in slab_rows:
@@ -506,7 +514,8 @@ class Plan:
         elif spec.mapping == "flat":
             flat = flat_geometry(call)
             self.grid, self.block, slab_blocks = flat_shape(
-                spec.head_dim // spec.vec, spec.interleaved, [rows for rows, _, _ in flat])
+                spec.head_dim // spec.vec, spec.interleaved or spec.partner_load,
+                [rows for rows, _, _ in flat])
         else:
             self.grid, self.block, slab_blocks = packet_shape(spec.rot_items, heads, call.tokens)
         self.dims = (*self.grid, *self.block)

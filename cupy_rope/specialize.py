@@ -68,6 +68,9 @@ class Spec:
     # the angles they share and swap halves (for blocks whose rows lie at
     # several positions).
     split_angles: bool = False
+    # flat_kernel, NeoX out of place: a thread loads its rotation partner
+    # itself (rows need not tile a warp).
+    partner_load: bool = False
 
     @property
     def source_file(self) -> str:
@@ -109,7 +112,7 @@ class Spec:
         if self.mapping == "flat":
             return "rope::flat_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),
-                b(self.interleaved), b(self.split_angles)]) + ">"
+                b(self.interleaved), b(self.split_angles), b(self.partner_load)]) + ">"
         if self.mapping == "packets":
             return "rope::packet_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),

@@ -93,17 +93,29 @@ __device__ __forceinline__ FlatSlab flat_slab(const Params& p) {
 // sets it when a block's rows lie at several positions, so that most table
 // reads go to L2 (a [b, h, s, d] tensor seen as bshd: 0.987 -> 0.996 of copy;
 // with one position per block it costs 0.3%).
-template <typename T, typename AngleT, int HEAD_DIM, bool INTERLEAVED, bool SPLIT_ANGLES>
+//
+// PARTNER_LOAD (NeoX, out of place only): a thread loads its rotation
+// partner itself (the packet HALF away, which its own thread loads too: an
+// L1 hit) instead of taking it from another lane, so rows need not tile a
+// warp (d96 bf16: 12 packets; fp32 d80 / d96 / d256). In place the partner
+// could already have been overwritten: the launcher never sets it there.
+// (d96 bf16 q + k on the H100: 0.984-0.990 of copy, against 0.979 with 8
+// idle lanes per warp and packet_kernel's 0.977-0.987; for rows that tile a
+// warp it is no faster than the shuffle.)
+template <typename T, typename AngleT, int HEAD_DIM, bool INTERLEAVED, bool SPLIT_ANGLES,
+          bool PARTNER_LOAD>
 __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(const Params p) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per packet
   constexpr int PACKETS = HEAD_DIM / VEC;                // packets per head row
   constexpr int HALF = PACKETS / 2;                      // NeoX: partner distance, in packets
   static_assert(INTERLEAVED ? HEAD_DIM % VEC == 0 : HEAD_DIM % (2 * VEC) == 0,
                 "a head row is a whole number of packets (NeoX: of each half)");
-  static_assert(INTERLEAVED || PACKETS <= 32, "NeoX: a head row within one warp");
-  // Lanes of a warp that hold packets: NeoX, whole head rows (d80 bf16: 3
-  // rows of 10 packets, 2 lanes idle); GPT-J, all 32 (a packet holds whole pairs).
-  constexpr int LANES = INTERLEAVED ? 32 : (32 / PACKETS) * PACKETS;
+  constexpr bool SHUFFLE = !INTERLEAVED && !PARTNER_LOAD;  // NeoX partner from another lane
+  static_assert(!SHUFFLE || PACKETS <= 32, "NeoX by shuffle: a head row within one warp");
+  static_assert(!(SPLIT_ANGLES && !SHUFFLE), "split angles: NeoX with the partner by shuffle");
+  // Lanes of a warp that hold packets: NeoX by shuffle, whole head rows (d80
+  // bf16: 3 rows of 10 packets, 2 lanes idle); otherwise all 32.
+  constexpr int LANES = SHUFFLE ? (32 / PACKETS) * PACKETS : 32;
   // Frequencies of a packet: NeoX, VEC (its partner uses the same ones);
   // GPT-J, the packet's VEC / 2 pairs.
   constexpr int FREQS = INTERLEAVED ? VEC / 2 : VEC;
@@ -126,8 +138,12 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   T* out = static_cast<T*>(sl.out) + first;
   // A plain load, also out of place: through the non-coherent path (which
   // packet_kernel takes) this kernel lost 2-4% on bf16 bshd, sbhd and d80.
-  Packet<T, VEC> raw{};
+  Packet<T, VEC> raw{}, partner{};
   if (live) raw = load_raw<T, VEC>(x, 1);
+  const bool first_half = INTERLEAVED || pk < HALF;
+  if constexpr (PARTNER_LOAD) {
+    if (live) partner = load_raw<T, VEC>(x + (first_half ? HALF * VEC : -HALF * VEC), 1);
+  }
 
   // The position: the row's sequence index plus the scalar offset. The host
   // checked every position of the call against the table (implied
@@ -141,11 +157,10 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   // The table rows are requested before the partner exchange, which waits
   // for x: both loads are in flight together. NeoX: the partner is the lane
   // HALF away, in the same row.
-  const bool first_half = INTERLEAVED || pk < HALF;
   const int partner_lane = static_cast<int>(lane) + (first_half ? HALF : -HALF);
   const int f0 = INTERLEAVED ? pk * FREQS : (first_half ? pk : pk - HALF) * VEC;
   float c[FREQS], s[FREQS], v[VEC];
-  if constexpr (INTERLEAVED || !SPLIT_ANGLES) {
+  if constexpr (!SPLIT_ANGLES) {
     table_row<AngleT, FREQS>(p.cos, pos * p.cos_stride_row + f0, c);
     table_row<AngleT, FREQS>(p.sin, pos * p.sin_stride_row + f0, s);
   } else {
@@ -182,14 +197,15 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
     }
   } else {
     // The partner packet (channels HALF packets away, in the other half of
-    // the row) comes from the lane that read it: each packet is read once,
-    // by its own thread, so in place is safe as well.
-    unsigned w[4], pw[4];
-    memcpy(w, &raw, 16);
+    // the row) comes from the lane that read it (each packet is read once,
+    // by its own thread, so in place is safe as well), or was loaded above.
+    if constexpr (SHUFFLE) {
+      unsigned w[4], pw[4];
+      memcpy(w, &raw, 16);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) pw[i] = __shfl_sync(0xffffffffu, w[i], partner_lane);
-    Packet<T, VEC> partner;
-    memcpy(&partner, pw, 16);
+      for (int i = 0; i < 4; ++i) pw[i] = __shfl_sync(0xffffffffu, w[i], partner_lane);
+      memcpy(&partner, pw, 16);
+    }
     float b[VEC];
     to_floats(partner, b);
     // First half: a' = a c - b s; second half: b' = b c + a s (the partner

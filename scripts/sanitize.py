@@ -174,11 +174,13 @@ def positions_and_offsets():
 def flat_rows():
     """flat_kernel: dense slabs in memory order, with rows at several
     positions per block (split angles: [b, h, s, d] storage seen as bshd,
-    output of the same order), NeoX rows that leave lanes idle (d80 bf16),
+    output of the same order), NeoX rows that leave lanes idle (d80 bf16)
+    or that load their partner (d96 bf16, d80 / d96 fp32, out of place),
     a last warp with rows to spare, q + k with GQA, and an offset."""
     n = 0
     for dtype in ("float32", "bfloat16"):
-        for d, (b, s, h) in ((64, (2, 13, 3)), (80, (3, 7, 5)), (128, (1, 5, 3))):
+        for d, (b, s, h) in ((64, (2, 13, 3)), (80, (3, 7, 5)), (96, (2, 5, 3)),
+                             (128, (1, 5, 3))):
             cos, sin = tables(d, 40)
             for interleaved in (False, True):
                 def bhsd_view(arrays):

@@ -32,6 +32,8 @@ def test_every_shipped_specialization_compiles_for_sm90():
     assert {s.mapping for s in specs} == {"heads", "packets", "flat"}
     assert {s.split_angles for s in specs if s.mapping == "flat" and not s.interleaved} == {
         False, True}
+    assert {s.partner_load for s in specs if s.mapping == "flat" and not s.interleaved} == {
+        False, True}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100"])

@@ -409,20 +409,23 @@ def _table(rows, half, dtype="float32", ptr=1 << 41):
     return Tensor(None, "cupy", ptr, (rows, half), (half, 1), dtype, (CUDA, 0), False)
 
 
-@pytest.mark.parametrize("case,mapping,split", [
-    ("bshd", "flat", False), ("sbhd", "flat", False), ("bhsd view", "flat", True),
-    ("bhsd view, contiguous out", "packets", None), ("thd 4 heads", "flat", True),
-    ("in place", "flat", False), ("gptj bhsd view", "flat", False),
-    ("explicit positions", "packets", None), ("offsets per batch entry", "packets", None),
-    ("context parallel", "packets", None), ("d80 bf16", "flat", False),
-    ("d96 bf16", "packets", None), ("d96 bf16 gptj", "flat", False),
-    ("d80 fp32", "packets", None), ("d256 fp32", "packets", None),
-    ("d256 fp32 gptj", "flat", False), ("partial rotary", "heads", None),
-    ("inv_freq", "heads", None), ("unaligned table rows", "packets", None)])
-def test_flat_kernel_policy(case, mapping, split):
+@pytest.mark.parametrize("case,mapping,split,partner_load", [
+    ("bshd", "flat", False, False), ("sbhd", "flat", False, False),
+    ("bhsd view", "flat", True, False), ("bhsd view, contiguous out", "packets", None, None),
+    ("thd 4 heads", "flat", True, False), ("in place", "flat", False, False),
+    ("gptj bhsd view", "flat", False, False), ("explicit positions", "packets", None, None),
+    ("offsets per batch entry", "packets", None, None),
+    ("context parallel", "packets", None, None), ("d80 bf16", "flat", False, False),
+    ("d96 bf16", "flat", False, True), ("d96 bf16 in place", "packets", None, None),
+    ("d96 bf16 gptj", "flat", False, False), ("d80 fp32", "flat", False, True),
+    ("d256 fp32", "flat", False, True), ("d256 fp32 in place", "packets", None, None),
+    ("d256 fp32 gptj", "flat", False, False), ("partial rotary", "heads", None, None),
+    ("inv_freq", "heads", None, None), ("unaligned table rows", "packets", None, None)])
+def test_flat_kernel_policy(case, mapping, split, partner_load):
     """flat_kernel takes dense slabs whose output has x's strides, full
     rotary, cos/sin tables, implied positions with a scalar offset only, and
-    (NeoX) rows that fill a warp but for at most FLAT_MAX_IDLE_LANES lanes;
+    (NeoX) rows that fill a warp but for at most FLAT_MAX_IDLE_LANES lanes,
+    or else an output apart from x (the thread loads its partner itself);
     NeoX lanes split the angle reads when a block's rows lie at several
     positions."""
     from cupy_rope.interop import CUDA, Tensor
@@ -457,7 +460,7 @@ def test_flat_kernel_policy(case, mapping, split):
         kw["offsets"] = _dense((b,), (0,), "int32", 1 << 43)
     elif case == "context parallel":
         kw.update(cp_size=2, cp_rank=1)
-    if case == "in place":
+    if "in place" in case:
         kw["inplace"] = True
     else:
         out_order = order if "contiguous out" not in case else tuple(range(len(shape)))
@@ -466,7 +469,7 @@ def test_flat_kernel_policy(case, mapping, split):
     spec = launch.choose_spec(call)
     assert spec.mapping == mapping
     if split is not None:
-        assert spec.split_angles == split
+        assert (spec.split_angles, spec.partner_load) == (split, partner_load)
     if mapping == "flat":  # flat=False: what runs without it
         assert launch.choose_spec(call, flat=False).mapping == "packets"
 
@@ -489,7 +492,8 @@ STORAGE = {  # layout, logical shape from (b, s, h), storage order of the logica
                                    (4, 33, 7), (1, 64, 32)])
 @pytest.mark.parametrize("dtype,d,interleaved", [
     ("bfloat16", 128, False), ("bfloat16", 80, False), ("float32", 64, False),
-    ("bfloat16", 96, True), ("float32", 256, True), ("bfloat16", 16, False)])
+    ("bfloat16", 96, True), ("float32", 256, True), ("bfloat16", 16, False),
+    ("bfloat16", 96, False), ("float32", 80, False)])
 def test_flat_kernel_index_math(storage, b, s, h, dtype, d, interleaved):
     """kernels/flat.cu's index math, emulated on the plan's parameters: the
     grid of flat_shape gives every (row, packet) of every slab to exactly one
@@ -509,14 +513,14 @@ def test_flat_kernel_index_math(storage, b, s, h, dtype, d, interleaved):
     geometry = launch.flat_geometry(call)
     (rows, step, seq), = geometry
     packets = d * (4 if dtype == "float32" else 2) // 16
-    grid, block, slabs = launch.flat_shape(packets, interleaved, [rows])
+    grid, block, slabs = launch.flat_shape(packets, interleaved or spec.partner_load, [rows])
     assert block == (launch.FLAT_THREADS, 1, 1) and slabs == [(0, 0, 0, 0)]
     fields = dict(zip((n for n, _ in launch.FIXED_FIELDS), launch._FIXED.unpack(
         launch.fixed_params(call, slabs, flat=geometry))))
     assert fields["slab[0].flat_rows"] == rows == int(np.prod(shape)) // d
 
     # Every lane of the grid, as the kernel maps it.
-    lanes = 32 if interleaved else 32 // packets * packets
+    lanes = 32 if interleaved or spec.partner_load else 32 // packets * packets
     warp = np.arange(grid[0] * launch.FLAT_THREADS // 32)
     lane = np.arange(32)
     unit = (warp[:, None] * lanes + lane[None, :]).ravel()
