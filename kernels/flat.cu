@@ -146,13 +146,16 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   }
 
   // The position: the row's sequence index plus the scalar offset. The host
-  // checked every position of the call against the table (implied
-  // positions are known there), so the rows are read without a bounds test;
-  // a lane with no row reads row 0.
+  // checks every position of the call against the table (implied positions
+  // are known there); as in the other kernels, a position outside it still
+  // reads no memory (row 0 is read) and gives NaN. A lane with no row reads
+  // row 0 too.
   const unsigned step = flat_divide(row, sl.step_mul, sl.step_shift);
   const unsigned seq = static_cast<unsigned>(sl.seq_len);
   const unsigned index = seq ? step - flat_divide(step, sl.seq_mul, sl.seq_shift) * seq : step;
-  const i64 pos = live ? static_cast<i64>(index) + p.offset : 0;
+  const i64 wanted = static_cast<i64>(index) + p.offset;
+  const bool inside = wanted >= 0 && wanted < p.max_position;
+  const i64 pos = live && inside ? wanted : 0;
 
   // The table rows are requested before the partner exchange, which waits
   // for x: both loads are in flight together. NeoX: the partner is the lane
@@ -213,6 +216,10 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
     const float signed_sin = first_half ? -sign : sign;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) v[i] = fmaf(v[i], c[i], signed_sin * (b[i] * s[i]));
+  }
+  if (!inside) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = __int_as_float(0x7fffffff);
   }
   if (live) store<T, VEC>(out, 1, v);
 }

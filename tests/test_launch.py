@@ -529,6 +529,13 @@ def test_flat_kernel_index_math(storage, b, s, h, dtype, d, interleaved):
     live = (lane_of < lanes) & (row < rows)
     pairs = row[live] * packets + unit[live] % packets
     assert np.array_equal(np.sort(pairs), np.arange(rows * packets))  # each exactly once
+    if not interleaved and not spec.partner_load:  # NeoX by shuffle: partner in the same row
+        pk = unit % packets
+        half = packets // 2
+        partner = lane_of + np.where(pk < half, half, -half)
+        partner_unit = (unit - lane_of) + partner
+        assert ((partner[live] >= 0) & (partner[live] < lanes)).all()
+        assert np.array_equal(partner_unit[live] // packets, row[live])
 
     # Positions by the kernel's arithmetic against the memory each row addresses.
     r = np.arange(rows, dtype=np.int64)
