@@ -542,8 +542,8 @@ if __name__ == "__main__":
         from cupy_rope import launch
         defaults = {a: getattr(launch, a) for a in ("LANES_ROUND_UP", "SMALL_BLOCK_THREADS",
                                                     "THREADS_PER_BLOCK", "MAX_HEAD_LANES",
-                                                    "PACKET_KERNELS", "PACKET_THREADS", "FLAT_KERNELS", "FLAT_THREADS",
-                                                    "FLAT_PARTNER_LOAD_ALWAYS",
+                                                    "PACKET_KERNELS", "PACKET_THREADS",
+                                                    "FLAT_KERNELS", "FLAT_PARTNER_LOAD_ALWAYS",
                                                     "FLAT_MAX_IDLE_LANES",
                                                     "VARLEN_FEW_SEQS", "VARLEN_MIN_TOKENS",
                                                     "VARLEN_FEW_SEQS_MIN_TOKENS",
