@@ -409,7 +409,7 @@ def head_major(x_view, heads: int, heads_per_group: int, n_inner: int) -> bool:
 
 def reciprocal(d: int):
     """(mul, shift) with floor(n / d) == (n * mul) >> shift for 0 <= n < 2^31
-    (kernels/packet.cu divide()); (0, 0) for d == 0."""
+    (kernels/params.cuh divide()); (0, 0) for d == 0."""
     if d <= 0:
         return 0, 0
     shift = 31 + (d - 1).bit_length()

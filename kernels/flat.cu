@@ -47,24 +47,9 @@ constexpr int SM_MAX_THREADS = 2048;
 #endif
 constexpr int FLAT_MIN_BLOCKS = SM_MAX_THREADS / FLAT_THREADS;
 
-// floor(n / d) for n < 2^31, with (mul, shift) from cupy_rope/launch.py
-// `reciprocal(d)` (see kernels/packet.cu divide()); (0, 0) gives 0.
-__device__ __forceinline__ unsigned flat_divide(unsigned n, i64 mul, i64 shift) {
-  return static_cast<unsigned>((static_cast<unsigned long long>(n) *
-                                static_cast<unsigned long long>(mul)) >> shift);
-}
-
-// N cos or sin values of one table row from element `offset` on, as one
-// run (the launcher checked its alignment) with the tables' L2 evict-last
-// policy (kernels/dtype.cuh load_reused).
-template <typename AngleT, int N>
-__device__ __forceinline__ void table_row(const void* table, i64 offset, float (&v)[N]) {
-  to_floats(load_reused<AngleT, N, false>(static_cast<const AngleT*>(table) + offset, 1), v);
-}
-
-// The fields of this block's slab that the kernel reads (block-uniform):
-// slab k covers blockIdx.x from slab[k].block_begin on. Picked field by
-// field with compile-time indices, without copying the whole Slab.
+// The fields of this block's slab that the kernel reads (block-uniform,
+// params.cuh block_slab_index), picked field by field with compile-time
+// indices.
 struct FlatSlab {
   const void* x;
   void* out;
@@ -72,10 +57,7 @@ struct FlatSlab {
 };
 
 __device__ __forceinline__ FlatSlab flat_slab(const Params& p) {
-  int k = 0;
-#pragma unroll
-  for (int i = 1; i < MAX_SLABS; ++i)
-    if (i < p.n_slabs && blockIdx.x >= p.slab[i].block_begin) k = i;
+  const int k = block_slab_index(p);
   FlatSlab f;
 #pragma unroll
   for (int i = 0; i < MAX_SLABS; ++i) {
@@ -150,9 +132,9 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   // are known there); as in the other kernels, a position outside it still
   // reads no memory (row 0 is read) and gives NaN. A lane with no row reads
   // row 0 too.
-  const unsigned step = flat_divide(row, sl.step_mul, sl.step_shift);
+  const unsigned step = divide(row, sl.step_mul, sl.step_shift);
   const unsigned seq = static_cast<unsigned>(sl.seq_len);
-  const unsigned index = seq ? step - flat_divide(step, sl.seq_mul, sl.seq_shift) * seq : step;
+  const unsigned index = seq ? step - divide(step, sl.seq_mul, sl.seq_shift) * seq : step;
   const i64 wanted = static_cast<i64>(index) + p.offset;
   const bool inside = wanted >= 0 && wanted < p.max_position;
   const i64 pos = live && inside ? wanted : 0;
@@ -164,16 +146,16 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   const int f0 = INTERLEAVED ? pk * FREQS : (first_half ? pk : pk - HALF) * VEC;
   float c[FREQS], s[FREQS], v[VEC];
   if constexpr (!SPLIT_ANGLES) {
-    table_row<AngleT, FREQS>(p.cos, pos * p.cos_stride_row + f0, c);
-    table_row<AngleT, FREQS>(p.sin, pos * p.sin_stride_row + f0, s);
+    load_row<AngleT, FREQS, false>(p.cos, pos * p.cos_stride_row + f0, 1, c);
+    load_row<AngleT, FREQS, false>(p.sin, pos * p.sin_stride_row + f0, 1, s);
   } else {
     // Frequencies [f0, f0 + FREQS / 2) read by the first-half lane, the rest
     // by its partner; each then takes the other's half.
     constexpr int H2 = FREQS / 2;
     const int mine = f0 + (first_half ? 0 : H2);
     float mine_c[H2], mine_s[H2];
-    table_row<AngleT, H2>(p.cos, pos * p.cos_stride_row + mine, mine_c);
-    table_row<AngleT, H2>(p.sin, pos * p.sin_stride_row + mine, mine_s);
+    load_row<AngleT, H2, false>(p.cos, pos * p.cos_stride_row + mine, 1, mine_c);
+    load_row<AngleT, H2, false>(p.sin, pos * p.sin_stride_row + mine, 1, mine_s);
 #pragma unroll
     for (int i = 0; i < H2; ++i) {
       const float other_c = __shfl_sync(0xffffffffu, mine_c[i], partner_lane);

@@ -33,15 +33,6 @@ namespace rope {
 
 constexpr int PACKET_THREADS = 256;  // most threads per block (cupy_rope/launch.py)
 
-// floor(n / d) for n < 2^31, with (mul, shift) from cupy_rope/launch.py
-// `reciprocal(d)`: mul = floor(2^shift / d) + 1, shift = 31 + ceil(log2 d).
-// The error of mul is below d / 2^shift, so n * mul / 2^shift stays below
-// the next integer for every n < 2^31.
-__device__ __forceinline__ unsigned divide(unsigned n, i64 mul, i64 shift) {
-  return static_cast<unsigned>((static_cast<unsigned long long>(n) *
-                                static_cast<unsigned long long>(mul)) >> shift);
-}
-
 template <typename T, typename AngleT, int HEAD_DIM, bool INTERLEAVED, int SOURCE, int VEC,
           bool TABLE_STRIDED, int POS_MODE>
 __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) {

@@ -45,7 +45,7 @@ struct Slab {
   i64 heads_per_group;  // >= n_heads for a plain (ungrouped) head axis
   i64 rotate;           // 0: copy the heads unchanged (v of a fused QKV split)
   // packet_kernel: row / n_heads as (row * head_mul) >> head_shift
-  // (kernels/packet.cu divide()).
+  // (divide() below).
   i64 head_mul;
   i64 head_shift;
   // packet_kernel: 1 walks rows (outer, head, inner) instead of (outer,
@@ -113,6 +113,15 @@ struct Params {
   float pad_;
 };
 
+// floor(n / d) for n < 2^31, with (mul, shift) from cupy_rope/launch.py
+// `reciprocal(d)` (packet_kernel, flat_kernel): mul = floor(2^shift / d) + 1, shift = 31 + ceil(log2 d).
+// The error of mul is below d / 2^shift, so n * mul / 2^shift stays below
+// the next integer for every n < 2^31. (0, 0) gives 0.
+__device__ __forceinline__ unsigned divide(unsigned n, i64 mul, i64 shift) {
+  return static_cast<unsigned>((static_cast<unsigned long long>(n) *
+                                static_cast<unsigned long long>(mul)) >> shift);
+}
+
 // Element offset of head j in a view: heads_per_group >= n_heads (grouped
 // false) for a plain head axis, else packed QKV groups of heads_per_group
 // heads. (Head counts are below 2^30: cupy_rope/launch.py checks.)
@@ -132,11 +141,16 @@ struct BlockSlab {
   void* out_data;
 };
 
-__device__ __forceinline__ BlockSlab block_slab(const Params& p) {
+__device__ __forceinline__ int block_slab_index(const Params& p) {
   int k = 0;
 #pragma unroll
   for (int i = 1; i < MAX_SLABS; ++i)
     if (i < p.n_slabs && blockIdx.x >= p.slab[i].block_begin) k = i;
+  return k;
+}
+
+__device__ __forceinline__ BlockSlab block_slab(const Params& p) {
+  const int k = block_slab_index(p);
   BlockSlab b{p.slab[0], p.x_data[0], p.out_data[0]};
 #pragma unroll
   for (int i = 1; i < MAX_SLABS; ++i)
