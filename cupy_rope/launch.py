@@ -224,14 +224,19 @@ def choose_spec(call: Call, packets: bool = True, flat: bool = True) -> Spec:
     # NeoX, whose 12-packet rows would leave 8 lanes of every warp idle
     # (0.979), loads its partner itself out of place: 0.984-0.990 against
     # packet_kernel's 0.977-0.987, and stays on packet_kernel in place;
-    # docs/perf-notes.md v11.)
+    # docs/perf-notes.md v11.) Partial rotary in place too: a lane per
+    # rotated packet, the rest of each row never addressed (bshd [4, 4096,
+    # 32, 128] bf16, rotary 64: 53.3 -> 51.9-52.1 us, rotary 32: 38.9 ->
+    # 38.7-38.9 us, against 51.7 / 38.8 us for a kernel that only loads and
+    # stores the same bytes; docs/perf-notes.md v12.)
     vec = 2 * pairs if call.interleaved else pairs  # channels per packet
-    row_packets = d // vec
+    row_packets = r // vec  # flat_kernel: the rotated packets of a head row
     tiles = row_packets <= 32 and 32 % row_packets <= FLAT_MAX_IDLE_LANES
     partner_load = (not call.interleaved and not call.inplace
                     and (FLAT_PARTNER_LOAD_ALWAYS or not tiles))
     geometry = None
-    if (packets and flat and FLAT_KERNELS and r == d and not strided and not table_strided
+    if (packets and flat and FLAT_KERNELS and (r == d or call.inplace) and not strided
+            and not table_strided
             and vec * item == MAX_VECTOR_BYTES and (call.interleaved or tiles or partner_load)):
         geometry = flat_geometry(call)
     if geometry is not None:
@@ -346,12 +351,13 @@ def flat_geometry(call: Call):
     order, tile its memory with positive strides, head_dim innermost), the
     output must have x's strides (or be x), and a row's position must follow
     from its index: implied positions with a scalar offset only, no context
-    parallelism, cos/sin tables, full rotary, every slab rotated and no
-    grouped (packed QKV) heads. The row index is (row / rows per step) %
+    parallelism, cos/sin tables, full rotary (or partial rotary in place:
+    only the rotated packets of each row are walked), every slab rotated and
+    no grouped (packed QKV) heads. The row index is (row / rows per step) %
     sequence length; the modulo is not needed (0) when no axis is stored
     outside the sequence axis."""
     if not (call.pos_mode == IMPLIED and call.source == "table" and call.offsets is None
-            and call.cp_size == 1 and call.rotary_dim == call.head_dim):
+            and call.cp_size == 1 and (call.rotary_dim == call.head_dim or call.inplace)):
         return None
     d, geometry = call.head_dim, []
     for sl in call.slabs:
@@ -514,7 +520,7 @@ class Plan:
         elif spec.mapping == "flat":
             flat = flat_geometry(call)
             self.grid, self.block, slab_blocks = flat_shape(
-                spec.head_dim // spec.vec, spec.interleaved or spec.partner_load,
+                spec.rotary_dim // spec.vec, spec.interleaved or spec.partner_load,
                 [rows for rows, _, _ in flat])
         else:
             self.grid, self.block, slab_blocks = packet_shape(spec.rot_items, heads, call.tokens)

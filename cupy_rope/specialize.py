@@ -112,7 +112,8 @@ class Spec:
         if self.mapping == "flat":
             return "rope::flat_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),
-                b(self.interleaved), b(self.split_angles), b(self.partner_load)]) + ">"
+                str(self.rotary_dim), b(self.interleaved), b(self.split_angles),
+                b(self.partner_load)]) + ">"
         if self.mapping == "packets":
             return "rope::packet_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),

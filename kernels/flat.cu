@@ -4,14 +4,16 @@
 // and rope_kernel (kernels/packet.cu, kernels/rope.cu):
 //   a' = a cos(theta_f) - b sin(theta_f)
 //   b' = b cos(theta_f) + a sin(theta_f)
-// for the pairs (a, b) = (f, f + HEAD_DIM/2) (NeoX) or (2f, 2f + 1) (GPT-J).
+// for the pairs (a, b) = (f, f + ROTARY_DIM/2) (NeoX) or (2f, 2f + 1) (GPT-J)
+// of the first ROTARY_DIM channels of each head.
 //
 // The launcher (cupy_rope/launch.py `flat_geometry`) picks this kernel when
 // every slab's x, and its output, are dense arrays of head rows with the
 // same strides (bshd, sbhd, thd, or any permutation of the token and head
-// axes, such as a [b, h, s, d] tensor seen as bshd), full rotary, a cos/sin
-// table and implied positions. Then head row r of a slab sits at
-// r * HEAD_DIM elements from its first one, and its position is
+// axes, such as a [b, h, s, d] tensor seen as bshd), full rotary (or partial
+// rotary in place), a cos/sin table and implied positions. Then head row r
+// of a slab sits at r * HEAD_DIM elements from its first one, and its
+// position is
 //   pos = (r / rows_per_step) % seq_len + offset
 // where rows_per_step is the number of head rows between consecutive
 // sequence indices (the product of the axes stored inside the sequence axis)
@@ -84,14 +86,18 @@ __device__ __forceinline__ FlatSlab flat_slab(const Params& p) {
 // (d96 bf16 q + k on the H100: 0.984-0.990 of copy, against 0.979 with 8
 // idle lanes per warp and packet_kernel's 0.977-0.987; for rows that tile a
 // warp it is no faster than the shuffle.)
-template <typename T, typename AngleT, int HEAD_DIM, bool INTERLEAVED, bool SPLIT_ANGLES,
-          bool PARTNER_LOAD>
+template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERLEAVED,
+          bool SPLIT_ANGLES, bool PARTNER_LOAD>
 __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(const Params p) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per packet
-  constexpr int PACKETS = HEAD_DIM / VEC;                // packets per head row
-  constexpr int HALF = PACKETS / 2;                      // NeoX: partner distance, in packets
-  static_assert(INTERLEAVED ? HEAD_DIM % VEC == 0 : HEAD_DIM % (2 * VEC) == 0,
-                "a head row is a whole number of packets (NeoX: of each half)");
+  // Packets a thread walks per head row: the rotated channels. With
+  // ROTARY_DIM < HEAD_DIM (in place only: the launcher copies no tail here)
+  // the rest of the row is neither read nor written.
+  constexpr int PACKETS = ROTARY_DIM / VEC;
+  constexpr int HALF = PACKETS / 2;  // NeoX: partner distance, in packets
+  static_assert(INTERLEAVED ? ROTARY_DIM % VEC == 0 : ROTARY_DIM % (2 * VEC) == 0,
+                "the rotated channels are a whole number of packets (NeoX: of each half)");
+  static_assert(ROTARY_DIM <= HEAD_DIM && HEAD_DIM % VEC == 0, "packet-aligned head rows");
   constexpr bool SHUFFLE = !INTERLEAVED && !PARTNER_LOAD;  // NeoX partner from another lane
   static_assert(!SHUFFLE || PACKETS <= 32, "NeoX by shuffle: a head row within one warp");
   static_assert(!(SPLIT_ANGLES && !SHUFFLE), "split angles: NeoX with the partner by shuffle");

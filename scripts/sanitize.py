@@ -176,7 +176,8 @@ def flat_rows():
     positions per block (split angles: [b, h, s, d] storage seen as bshd,
     output of the same order), NeoX rows that leave lanes idle (d80 bf16)
     or that load their partner (d96 bf16, d80 / d96 fp32, out of place),
-    a last warp with rows to spare, q + k with GQA, and an offset."""
+    a last warp with rows to spare, partial rotary in place (the rotated
+    packets only), q + k with GQA, and an offset."""
     n = 0
     for dtype in ("float32", "bfloat16"):
         for d, (b, s, h) in ((64, (2, 13, 3)), (80, (3, 7, 5)), (96, (2, 5, 3)),
@@ -195,6 +196,13 @@ def flat_rows():
                                  inplace=inplace),
                             inplace_arrays=(0,) if inplace else (), views=views)
                         n += 1
+                for r in (d // 2, d // 4):  # partial rotary in place: rotated packets only
+                    run(f"flat partial r{r} d{d} {dtype} gptj={interleaved}",
+                        cupy_rope.apply_rope, dtype, [normal((b, s, h, d), dtype)],
+                        dict(cos=cos[:, :r // 2], sin=sin[:, :r // 2], rotary_dim=r,
+                             interleaved=interleaved, offsets=3, inplace=True),
+                        inplace_arrays=(0,), views=bhsd_view)
+                    n += 1
                 run(f"flat q+k sbhd d{d} {dtype} gptj={interleaved}", cupy_rope.apply_rope_qk,
                     dtype, [normal((s, b, 4, d), dtype), normal((s, b, 1, d), dtype)],
                     dict(cos=cos, sin=sin, layout="sbhd", interleaved=interleaved))

@@ -142,3 +142,40 @@ def test_qk_with_one_slab_walked_head_major(rng, monkeypatch, dtype):
         for kernels in ("flat", "packets"):
             assert np.array_equal(bits(got[kernels][i]), bits(got["heads"][i])), (kernels, name)
         assert_close(got["flat"][i], oracle(x, **src, layout="bshd"), dtype, name)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_partial_rotary_in_place_flat_and_heads_kernels_agree(rng, monkeypatch, interleaved,
+                                                              dtype, head_dim, fraction):
+    """Partial rotary in place on flat_kernel (only the rotated packets of
+    each row walked) gives rope_kernel's bits, and the channels past
+    rotary_dim keep their bits."""
+    s, h, b = 7, 5, 2
+    r = int(head_dim * fraction) // 2 * 2
+    vec = 16 // np.dtype(np_dtype(dtype)).itemsize
+    packets = r // vec
+    flat = ((r % vec == 0) if interleaved
+            else ((r // 2) % vec == 0 and 32 % packets <= launch.FLAT_MAX_IDLE_LANES))
+    for layout, storage in (("bshd", "bshd"), ("sbhd", "sbhd"), ("bshd", "bhsd"),
+                            ("thd", "thd")):
+        shape = {"bshd": (b, s, h, head_dim), "sbhd": (s, b, h, head_dim),
+                 "bhsd": (b, h, s, head_dim), "thd": (s, h, head_dim)}[storage]
+        x = rng.standard_normal(shape).astype(np_dtype(dtype))
+        x_dev = to_device(x)
+        if storage == "bhsd":
+            x, x_dev = x.transpose(0, 2, 1, 3), x_dev.transpose(0, 2, 1, 3)
+        src = angle_sources(rng, dtype, r, ROWS)["table_f32"]
+        kw_dev = {k: to_device(v) for k, v in src.items()}
+        for backward in (False, True):
+            common = dict(layout=layout, interleaved=interleaved, backward=backward, rotary_dim=r)
+            got_f, kind_f, _ = _run("flat", monkeypatch, x_dev, kw_dev, "inplace", dtype, **common)
+            got_h, kind_h, _ = _run("heads", monkeypatch, x_dev, kw_dev, "inplace", dtype,
+                                    **common)
+            what = f"{storage} as {layout} r={r} backward={backward}"
+            assert (kind_f, kind_h) == ("flat" if flat else "heads", "heads"), what
+            assert np.array_equal(bits(got_f), bits(got_h)), what
+            assert np.array_equal(bits(got_f[..., r:]), bits(x[..., r:])), what  # untouched
+            assert_close(got_f, oracle(x, **src, **common), dtype, what)

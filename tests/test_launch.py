@@ -205,8 +205,8 @@ def test_too_many_heads_is_refused_before_launch():
     (128, True, 1, "flat"),    # full rotary, tables, implied positions: flat_kernel
     (128, False, 1, "flat"),
     (32, False, launch.UNROLL, "heads"),  # partial out of place: the tail is copied
-    (32, True, 1, "heads"),       # partial in place: one head per thread
-    (64, True, 1, "heads"),
+    (32, True, 1, "flat"),        # partial in place: the rotated packets only
+    (64, True, 1, "flat"),
 ])
 def test_unroll_policy_for_partial_rotary(rotary_dim, inplace, unroll, mapping):
     from cupy_rope.interop import CUDA, Tensor
@@ -420,6 +420,7 @@ def _table(rows, half, dtype="float32", ptr=1 << 41):
     ("d96 bf16 gptj", "flat", False, False), ("d80 fp32", "flat", False, True),
     ("d256 fp32", "flat", False, True), ("d256 fp32 in place", "packets", None, None),
     ("d256 fp32 gptj", "flat", False, False), ("partial rotary", "heads", None, None),
+    ("partial rotary in place", "flat", False, False),
     ("inv_freq", "heads", None, None), ("unaligned table rows", "packets", None, None)])
 def test_flat_kernel_policy(case, mapping, split, partner_load):
     """flat_kernel takes dense slabs whose output has x's strides, full
@@ -444,7 +445,7 @@ def test_flat_kernel_policy(case, mapping, split, partner_load):
         layout, shape, order = "thd", (s, 4, d), (0, 1, 2)
     x = _dense(shape, order, dtype)
     kw = {"interleaved": "gptj" in case}
-    r = d // 2 if case == "partial rotary" else d
+    r = d // 2 if case.startswith("partial rotary") else d
     if case == "inv_freq":
         kw["inv_freq"] = Tensor(None, "cupy", 1 << 41, (r // 2,), (1,), "float32", (CUDA, 0),
                                 False)
@@ -470,8 +471,9 @@ def test_flat_kernel_policy(case, mapping, split, partner_load):
     assert spec.mapping == mapping
     if split is not None:
         assert (spec.split_angles, spec.partner_load) == (split, partner_load)
-    if mapping == "flat":  # flat=False: what runs without it
-        assert launch.choose_spec(call, flat=False).mapping == "packets"
+    if mapping == "flat":  # flat=False: what runs without it (partial: one head per thread)
+        assert launch.choose_spec(call, flat=False).mapping == (
+            "heads" if case.startswith("partial") else "packets")
 
 
 STORAGE = {  # layout, logical shape from (b, s, h), storage order of the logical axes
@@ -500,19 +502,39 @@ def test_flat_kernel_index_math(storage, b, s, h, dtype, d, interleaved):
     lane, and a row's position, (row / rows_per_step) % seq_len by host-made
     reciprocals, is the sequence index of the memory it addresses (row *
     head_dim elements from the start)."""
+    _check_flat_index_math(storage, b, s, h, dtype, d, interleaved, d)
+
+
+@pytest.mark.parametrize("storage", ["bshd", "bhsd as bshd", "htd as thd"])
+@pytest.mark.parametrize("b,s,h", [(1, 1, 1), (2, 9, 3), (4, 33, 7), (1, 64, 32)])
+@pytest.mark.parametrize("dtype,d,interleaved,rotary_dim", [
+    ("bfloat16", 128, False, 64), ("bfloat16", 128, False, 32), ("bfloat16", 96, False, 48),
+    ("bfloat16", 128, True, 32), ("float32", 256, True, 64), ("float32", 64, False, 32)])
+def test_flat_kernel_index_math_partial_in_place(storage, b, s, h, dtype, d, interleaved,
+                                                 rotary_dim):
+    """Partial rotary in place: flat_kernel's lanes cover the rotated
+    packets of every head row exactly once (the rest of the row is never
+    addressed), at the row's sequence index."""
+    _check_flat_index_math(storage, b, s, h, dtype, d, interleaved, rotary_dim)
+
+
+def _check_flat_index_math(storage, b, s, h, dtype, d, interleaved, rotary_dim):
     from cupy_rope.validate import check_call
 
     layout, tokens, order = STORAGE[storage]
     shape = (*tokens(b, s, h), d)
     x = _dense(shape, order, dtype)
-    tab = _table(max(s, b * s), d // 2)
+    tab = _table(max(s, b * s), rotary_dim // 2)
+    where = (dict(inplace=True) if rotary_dim < d
+             else dict(out=_dense(shape, order, dtype, 1 << 44)))
     call = check_call(x, cos=tab, sin=tab, layout=layout, interleaved=interleaved,
-                      out=_dense(shape, order, dtype, 1 << 44))
+                      rotary_dim=rotary_dim, **where)
     spec = launch.choose_spec(call)
     assert spec.mapping == "flat"
     geometry = launch.flat_geometry(call)
     (rows, step, seq), = geometry
-    packets = d * (4 if dtype == "float32" else 2) // 16
+    vec = 16 // (4 if dtype == "float32" else 2)
+    packets = rotary_dim // vec  # the packets a lane walks per head row
     grid, block, slabs = launch.flat_shape(packets, interleaved or spec.partner_load, [rows])
     assert block == (launch.FLAT_THREADS, 1, 1) and slabs == [(0, 0, 0, 0)]
     fields = dict(zip((n for n, _ in launch.FIXED_FIELDS), launch._FIXED.unpack(
@@ -529,6 +551,9 @@ def test_flat_kernel_index_math(storage, b, s, h, dtype, d, interleaved):
     live = (lane_of < lanes) & (row < rows)
     pairs = row[live] * packets + unit[live] % packets
     assert np.array_equal(np.sort(pairs), np.arange(rows * packets))  # each exactly once
+    # and the element each live lane addresses lies in its row's rotated channels
+    first = row[live] * d + (unit[live] % packets) * vec
+    assert ((first % d) + vec <= rotary_dim).all()
     if not interleaved and not spec.partner_load:  # NeoX by shuffle: partner in the same row
         pk = unit % packets
         half = packets // 2
