@@ -181,8 +181,10 @@ def choose_spec(call: Call, packets: bool = True, flat: bool = True) -> Spec:
         raise ValueError(f"{name}: {max_heads} heads per token; at most {MAX_HEADS - 1} are "
                          "supported (the kernel counts heads in 32 bits)")
     # In place with rotary_dim < head_dim only part of each head row is read
-    # and written (rotary 32 of 128: 64 of every 256 bytes). One head per
-    # thread keeps each warp on consecutive heads of a token, which brings
+    # and written (rotary 32 of 128: 64 of every 256 bytes). flat_kernel
+    # takes such calls when it can (below); for the others (positions,
+    # rotated channels that do not fill 16-byte packets) rope_kernel with one
+    # head per thread keeps each warp on consecutive heads of a token, which brings
     # the partial call down to the floor of that access pattern (bshd [4,
     # 4096, 32, 128] bf16 in place on the H100, rotary 32: 45.0 -> 39.8 us,
     # a load/store-only kernel on the same bytes 39.2 us; rotary 64: 54.9 ->
@@ -235,8 +237,10 @@ def choose_spec(call: Call, packets: bool = True, flat: bool = True) -> Spec:
     partner_load = (not call.interleaved and not call.inplace
                     and (FLAT_PARTNER_LOAD_ALWAYS or not tiles))
     geometry = None
+    # (Partial rotary: the rows must still be whole packets apart; a single
+    # row has no stride that says so.)
     if (packets and flat and FLAT_KERNELS and (r == d or call.inplace) and not strided
-            and not table_strided
+            and not table_strided and d % vec == 0
             and vec * item == MAX_VECTOR_BYTES and (call.interleaved or tiles or partner_load)):
         geometry = flat_geometry(call)
     if geometry is not None:
@@ -811,6 +815,14 @@ def shipped_specs() -> list:
                                                       inplace=inplace,
                                                       out=None if inplace else out, **kw)
                                     specs.append(choose_spec(call))
+                                    if pos_mode == "implied" and last_stride == 1:
+                                        # one token: flat_kernel without split angles
+                                        one = tensor((1, h, d), dtype)
+                                        specs.append(choose_spec(check_call(
+                                            one, layout="thd", interleaved=interleaved,
+                                            inplace=inplace,
+                                            out=None if inplace else tensor((1, h, d), dtype),
+                                            **kw)))
                                     # packet_kernel's, for calls flat_kernel cannot take
                                     specs.append(choose_spec(call, flat=False))
                                     # rope_kernel's twin, for calls of 2^31+ packets

@@ -24,9 +24,10 @@
 // prologue (strided views, grouped heads, token decomposition) is most of
 // it. Here a thread's work is the flat index, one compile-time division, two
 // multiply-shift divisions, one load, one shuffle, one table row and one
-// store, in 32 registers or fewer: 2048 threads per SM. Every warp load and
-// store covers contiguous memory (32 packets: 512 bytes), the access pattern
-// of a plain copy. (bf16 on the H100, of a same-run copy, against
+// store, in 32 registers or fewer: 2048 threads per SM. With full rotary
+// every warp load and store covers contiguous memory (32 packets: 512
+// bytes), the access pattern of a plain copy (partial rotary: the rotated
+// runs of consecutive rows). (bf16 on the H100, of a same-run copy, against
 // packet_kernel: bshd [1, 4096, 128, 128] 0.989 -> 1.000, sbhd [512, 32,
 // 24, 128] 0.981 -> 0.996, q + k prefill 0.990 -> 0.997, d80 q + k 0.978
 // -> 0.988; docs/perf-notes.md v11.)

@@ -476,6 +476,24 @@ def test_flat_kernel_policy(case, mapping, split, partner_load):
             "heads" if case.startswith("partial") else "packets")
 
 
+@pytest.mark.parametrize("dtype,d,r", [("bfloat16", 36, 16), ("float32", 18, 8)])
+def test_flat_kernel_partial_rows_are_whole_packets_apart(dtype, d, r):
+    """A single head row in place whose rotated channels fill 16-byte
+    packets but whose head_dim does not (no stride tells the launcher):
+    not flat_kernel, which walks rows whole packets apart (review of
+    563c385: NVRTC refused the specialization)."""
+    from cupy_rope import specialize
+    from cupy_rope.validate import check_call
+
+    for shape, layout in (((1, 1, d), "thd"), ((1, 1, 1, d), "bshd")):
+        x = _dense(shape, tuple(range(len(shape))), dtype)
+        tab = _table(4, r // 2)
+        call = check_call(x, cos=tab, sin=tab, layout=layout, rotary_dim=r, inplace=True)
+        spec = launch.choose_spec(call)
+        assert spec.mapping != "flat"
+        assert specialize.compile_for_arch([spec], "sm_90")
+
+
 STORAGE = {  # layout, logical shape from (b, s, h), storage order of the logical axes
     "bshd": ("bshd", lambda b, s, h: (b, s, h), (0, 1, 2, 3)),
     "sbhd": ("sbhd", lambda b, s, h: (s, b, h), (0, 1, 2, 3)),
