@@ -237,10 +237,10 @@ def choose_spec(call: Call, packets: bool = True, flat: bool = True) -> Spec:
     partner_load = (not call.interleaved and not call.inplace
                     and (FLAT_PARTNER_LOAD_ALWAYS or not tiles))
     geometry = None
-    # (Partial rotary: the rows must still be whole packets apart; a single
-    # row has no stride that says so.)
-    if (packets and flat and FLAT_KERNELS and (r == d or call.inplace) and not strided
-            and not table_strided and d % vec == 0
+    # (flat_geometry says which rotary dims it takes; the rows must be whole
+    # packets apart, which a single row's strides do not show.)
+    if (packets and flat and FLAT_KERNELS and not strided and not table_strided
+            and d % vec == 0
             and vec * item == MAX_VECTOR_BYTES and (call.interleaved or tiles or partner_load)):
         geometry = flat_geometry(call)
     if geometry is not None:
