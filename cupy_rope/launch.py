@@ -81,9 +81,7 @@ DYNAMIC_FIELDS = (
 _VIEW = ("stride_outer", "stride_inner", "stride_group", "stride_head", "stride_dim")
 _SLAB = ([f"x.{f}" for f in _VIEW] + [f"out.{f}" for f in _VIEW]
          + ["block_begin", "token_blocks", "head_lanes", "heads_per_block", "n_heads",
-            "heads_per_group", "rotate", "head_mul", "head_shift", "head_major",
-            "flat_rows", "flat_step_mul", "flat_step_shift", "flat_seq_len", "flat_seq_mul",
-            "flat_seq_shift"])
+            "heads_per_group", "rotate", "head_mul", "head_shift", "head_major"])
 FIXED_FIELDS = (
     [(f"slab[{i}].{f}", "q") for i in range(MAX_SLABS) for f in _SLAB]
     + [(n, "q") for n in (
@@ -99,6 +97,18 @@ _DYNAMIC = struct.Struct("<" + "".join(c for _, c in DYNAMIC_FIELDS))
 _pack_dynamic = _DYNAMIC.pack_into
 _FIXED = struct.Struct("<" + "".join(c for _, c in FIXED_FIELDS))
 PARAMS_SIZE = _DYNAMIC.size + _FIXED.size
+
+# rope::FlatParams (flat_kernel): the same per-call block, then only the
+# fields flat_kernel reads (a smaller block is cheaper to launch).
+_FLAT_SLAB = ("block_begin", "rows", "step_mul", "step_shift", "seq_len", "seq_mul",
+              "seq_shift")
+FLAT_FIXED_FIELDS = (
+    [(f"slab[{i}].{f}", "q") for i in range(MAX_SLABS) for f in _FLAT_SLAB]
+    + [(n, "q") for n in ("n_slabs", "cos_stride_row", "sin_stride_row", "max_position")]
+    + [("sin_sign", "f"), ("pad_", "f")])
+FLAT_PARAM_FIELDS = tuple(DYNAMIC_FIELDS) + tuple(FLAT_FIXED_FIELDS)
+_FLAT_FIXED = struct.Struct("<" + "".join(c for _, c in FLAT_FIXED_FIELDS))
+FLAT_PARAMS_SIZE = _DYNAMIC.size + _FLAT_FIXED.size
 
 
 # ---------------------------------------------------------- vector widths --
@@ -431,10 +441,9 @@ def _varlen_min_tokens(n_seqs: int) -> int:
 
 
 # ---------------------------------------------------------------- params --
-def fixed_params(call: Call, slab_blocks: list, packets: bool = False, flat=None) -> bytes:
+def fixed_params(call: Call, slab_blocks: list, packets: bool = False) -> bytes:
     """The fixed part of Params (everything but pointers and the offset);
-    ``packets``: for packet_kernel (which may walk rows head-major);
-    ``flat``: flat_kernel's per-slab geometry (:func:`flat_geometry`)."""
+    ``packets``: for packet_kernel (which may walk rows head-major)."""
     s0 = call.slabs[0]
     sb, ss = s0.x_strides[0], s0.x_strides[1]
     # Tokens are walked with the smaller-stride axis inner, for locality.
@@ -461,8 +470,6 @@ def fixed_params(call: Call, slab_blocks: list, packets: bool = False, flat=None
                        *reciprocal(sl.heads),
                        int(packets and head_major(view(sl.x_strides, sl.heads_per_group),
                                                   sl.heads, sl.heads_per_group, n_inner)))
-            rows, step, seq = flat[i] if flat else (0, 0, 0)
-            fields += (rows, *reciprocal(step), seq, *reciprocal(seq))
         else:
             fields += (0,) * len(_SLAB)
 
@@ -495,6 +502,32 @@ def fixed_params(call: Call, slab_blocks: list, packets: bool = False, flat=None
         n_outer, n_inner, *reciprocal(n_inner),
         -1.0 if call.backward else 1.0, 0.0)
     return _FIXED.pack(*fields)
+
+
+def flat_fixed_params(call: Call, slab_blocks: list, flat: list) -> bytes:
+    """The fixed part of FlatParams: per slab its first block and
+    :func:`flat_geometry`'s (rows, rows per sequence step, sequence length)
+    with reciprocals for the two divisions; the table row strides, the
+    table's rows and the direction."""
+    fields = []
+    for i in range(MAX_SLABS):
+        if i < len(call.slabs):
+            rows, step, seq = flat[i]
+            fields += (slab_blocks[i][0], rows, *reciprocal(step), seq, *reciprocal(seq))
+        else:
+            fields += (0,) * len(_FLAT_SLAB)
+    cos, sin = call.tables[0], call.tables[-1]
+    fields += (len(call.slabs), cos.strides[0], sin.strides[0], call.max_position,
+               -1.0 if call.backward else 1.0, 0.0)
+    return _FLAT_FIXED.pack(*fields)
+
+
+def unpack_fixed(plan) -> dict:
+    """The fixed parameter fields of a plan by name (Params, or FlatParams
+    for flat_kernel), for tests and probes."""
+    fields, packer = ((FLAT_FIXED_FIELDS, _FLAT_FIXED) if plan.spec.mapping == "flat"
+                      else (FIXED_FIELDS, _FIXED))
+    return dict(zip((n for n, _ in fields), packer.unpack_from(plan.buf, _DYNAMIC.size)))
 
 
 # ------------------------------------------------------------------ plan --
@@ -532,8 +565,9 @@ class Plan:
         self.kernel = None if self.empty else get_kernel(spec, self.device_id).ptr
         # The parameters with the dynamic fields zero; each launching thread
         # packs its pointers into its own copy (see own_buffer).
-        self.buf = bytes(_DYNAMIC.size) + fixed_params(call, slab_blocks,
-                                                       spec.mapping == "packets", flat)
+        self.buf = bytes(_DYNAMIC.size) + (
+            flat_fixed_params(call, slab_blocks, flat) if flat is not None
+            else fixed_params(call, slab_blocks, spec.mapping == "packets"))
         self.buffers: dict = {}
 
         def slot(t, byte_offset=0):
@@ -567,7 +601,7 @@ class Plan:
         threads must not share a buffer."""
         entry = self.buffers.get(threading.get_ident())
         if entry is None:
-            buf = ctypes.create_string_buffer(self.buf, PARAMS_SIZE)
+            buf = ctypes.create_string_buffer(self.buf, len(self.buf))
             args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
             entry = self.buffers[threading.get_ident()] = (buf, ctypes.addressof(args), args)
         return entry

@@ -1,7 +1,8 @@
 // Rotary position embedding over dense tensors walked in memory order: one
 // 16-byte packet per thread, the NeoX rotation partner taken from another
-// lane of the warp. Same Params, angles and rotation helpers as packet_kernel
-// and rope_kernel (kernels/packet.cu, kernels/rope.cu):
+// lane of the warp. Same angles and rotation helpers as packet_kernel and
+// rope_kernel (kernels/packet.cu, kernels/rope.cu), and a parameter block
+// of its own (params.cuh FlatParams):
 //   a' = a cos(theta_f) - b sin(theta_f)
 //   b' = b cos(theta_f) + a sin(theta_f)
 // for the pairs (a, b) = (f, f + ROTARY_DIM/2) (NeoX) or (2f, 2f + 1) (GPT-J)
@@ -50,26 +51,20 @@ constexpr int SM_MAX_THREADS = 2048;
 #endif
 constexpr int FLAT_MIN_BLOCKS = SM_MAX_THREADS / FLAT_THREADS;
 
-// The fields of this block's slab that the kernel reads (block-uniform,
-// params.cuh block_slab_index), picked field by field with compile-time
-// indices.
-struct FlatSlab {
+// This block's slab (block-uniform, params.cuh block_slab_index) and its
+// data pointers, picked with compile-time indices.
+struct FlatBlock {
   const void* x;
   void* out;
-  i64 block_begin, rows, step_mul, step_shift, seq_len, seq_mul, seq_shift;
+  FlatSlab s;
 };
 
-__device__ __forceinline__ FlatSlab flat_slab(const Params& p) {
+__device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
   const int k = block_slab_index(p);
-  FlatSlab f;
+  FlatBlock f;
 #pragma unroll
-  for (int i = 0; i < MAX_SLABS; ++i) {
-    if (i == k) {
-      const Slab& s = p.slab[i];
-      f = FlatSlab{p.x_data[i], p.out_data[i], s.block_begin, s.flat_rows, s.flat_step_mul,
-                   s.flat_step_shift, s.flat_seq_len, s.flat_seq_mul, s.flat_seq_shift};
-    }
-  }
+  for (int i = 0; i < MAX_SLABS; ++i)
+    if (i == k) f = FlatBlock{p.x_data[i], p.out_data[i], p.slab[i]};
   return f;
 }
 
@@ -89,7 +84,7 @@ __device__ __forceinline__ FlatSlab flat_slab(const Params& p) {
 // warp it is no faster than the shuffle.)
 template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERLEAVED,
           bool SPLIT_ANGLES, bool PARTNER_LOAD>
-__global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(const Params p) {
+__global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(const FlatParams p) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per packet
   // Packets a thread walks per head row: the rotated channels. With
   // ROTARY_DIM < HEAD_DIM (in place only: the launcher copies no tail here)
@@ -109,7 +104,8 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   // GPT-J, the packet's VEC / 2 pairs.
   constexpr int FREQS = INTERLEAVED ? VEC / 2 : VEC;
 
-  const FlatSlab sl = flat_slab(p);
+  const FlatBlock blk = flat_block(p);
+  const FlatSlab& sl = blk.s;
   const unsigned lane = threadIdx.x & 31u;
   const unsigned warp = (blockIdx.x - static_cast<unsigned>(sl.block_begin)) *
                             (FLAT_THREADS / 32) + threadIdx.x / 32u;
@@ -123,8 +119,8 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   const bool live = (INTERLEAVED || lane < LANES) && row < rows;
 
   const i64 first = static_cast<i64>(row) * HEAD_DIM + pk * VEC;
-  const T* x = static_cast<const T*>(sl.x) + first;
-  T* out = static_cast<T*>(sl.out) + first;
+  const T* x = static_cast<const T*>(blk.x) + first;
+  T* out = static_cast<T*>(blk.out) + first;
   // A plain load, also out of place: through the non-coherent path (which
   // packet_kernel takes) this kernel lost 2-4% on bf16 bshd, sbhd and d80.
   Packet<T, VEC> raw{}, partner{};

@@ -51,15 +51,6 @@ struct Slab {
   // packet_kernel: 1 walks rows (outer, head, inner) instead of (outer,
   // inner, head): x stores heads outside the inner token axis.
   i64 head_major;
-  // flat_kernel (kernels/flat.cu): head rows of this slab, and a row's
-  // sequence index as (row / rows_per_step) % seq_len with both divisions
-  // by host-made reciprocals (seq_len 0: no modulo).
-  i64 flat_rows;
-  i64 flat_step_mul;
-  i64 flat_step_shift;
-  i64 flat_seq_len;
-  i64 flat_seq_mul;
-  i64 flat_seq_shift;
 };
 
 struct Params {
@@ -113,6 +104,48 @@ struct Params {
   float pad_;
 };
 
+// flat_kernel's parameters (kernels/flat.cu): Params' per-call block (the
+// same fields in the same order, so the launcher fills pointers the same
+// way), then only what flat_kernel reads: 304 bytes, against 952 for
+// Params when it carried flat_kernel's fields (808 now). A launch carries
+// its whole parameter block: on the H100 a 1472-byte block cost 0.15-0.35
+// us per launch over a 40-byte one, on kernels of 4 to 93 us
+// (scripts/param_probe.py), and flat_kernel calls of 71-93 us gained
+// 0.1-0.25 us from this struct (docs/perf-notes.md v13).
+struct FlatSlab {
+  i64 block_begin;
+  // Head rows of this slab, and a row's sequence index as
+  // (row / rows_per_step) % seq_len with both divisions by host-made
+  // reciprocals (seq_len 0: no modulo).
+  i64 rows;
+  i64 step_mul;
+  i64 step_shift;
+  i64 seq_len;
+  i64 seq_mul;
+  i64 seq_shift;
+};
+
+struct FlatParams {
+  // ---- per call, as in Params ----
+  const void* x_data[MAX_SLABS];
+  void* out_data[MAX_SLABS];
+  const void* cos;
+  const void* sin;
+  const void* positions;  // unused (implied positions)
+  const void* offsets;    // unused
+  const int* cu_seqlens;  // unused
+  i64 offset;
+
+  // ---- fixed for a call signature ----
+  FlatSlab slab[MAX_SLABS];
+  i64 n_slabs;
+  i64 cos_stride_row;
+  i64 sin_stride_row;
+  i64 max_position;
+  float sin_sign;
+  float pad_;
+};
+
 // floor(n / d) for n < 2^31, with (mul, shift) from cupy_rope/launch.py
 // `reciprocal(d)` (packet_kernel, flat_kernel): mul = floor(2^shift / d) + 1, shift = 31 + ceil(log2 d).
 // The error of mul is below d / 2^shift, so n * mul / 2^shift stays below
@@ -141,7 +174,9 @@ struct BlockSlab {
   void* out_data;
 };
 
-__device__ __forceinline__ int block_slab_index(const Params& p) {
+// The slab of this block (block-uniform): Params or FlatParams.
+template <typename P>
+__device__ __forceinline__ int block_slab_index(const P& p) {
   int k = 0;
 #pragma unroll
   for (int i = 1; i < MAX_SLABS; ++i)

@@ -118,12 +118,17 @@ extern "C" __global__ void __launch_bounds__(256) lean_b4w(const u16* x, u16* o,
 """
 
 
+def tables(d=128, rows=16384):
+    """float32 cos and sin tables [rows, d / 2] (base 10000)."""
+    inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
+    th = cupy.arange(rows, dtype=cupy.float32)[:, None] * inv
+    return cupy.cos(th), cupy.sin(th)
+
+
 def main():
     mod = cupy.RawModule(code=SRC, options=("-std=c++17",))
     d = 128
-    inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
-    th = cupy.arange(16384, dtype=cupy.float32)[:, None] * inv
-    cos, sin = cupy.cos(th), cupy.sin(th)
+    cos, sin = tables(d)
     for shape in ((4096, 128), (16384, 32), (16384, 24)):
         T, H = shape
         sets = [(cupy.random.standard_normal((T, H, d), dtype=cupy.float32).astype(bf16()),

@@ -67,7 +67,7 @@ def test_params_struct_matches_kernel_header():
             n = None if array is None else slabs if array == "MAX_SLABS" else int(array)
             for i in range(n) if n else [None]:
                 full = prefix + name + (f"[{i}]" if i is not None else "")
-                if type_ in ("View", "Slab"):
+                if type_ in ("View", "Slab", "FlatSlab"):
                     names += expand(type_, full + ".")
                 else:
                     names.append(full)
@@ -75,6 +75,11 @@ def test_params_struct_matches_kernel_header():
 
     assert expand("Params") == [name for name, _ in launch.PARAM_FIELDS]
     assert launch.PARAMS_SIZE == sum(8 if c in "qQ" else 4 for _, c in launch.PARAM_FIELDS)
+    # flat_kernel's own block: Params' per-call fields first, then its own
+    assert expand("FlatParams") == [name for name, _ in launch.FLAT_PARAM_FIELDS]
+    assert launch.FLAT_PARAMS_SIZE == sum(8 if c in "qQ" else 4
+                                          for _, c in launch.FLAT_PARAM_FIELDS)
+    assert launch.FLAT_PARAM_FIELDS[:len(launch.DYNAMIC_FIELDS)] == tuple(launch.DYNAMIC_FIELDS)
 
 
 def test_kernel_source_is_self_contained():

@@ -555,9 +555,10 @@ def _check_flat_index_math(storage, b, s, h, dtype, d, interleaved, rotary_dim):
     packets = rotary_dim // vec  # the packets a lane walks per head row
     grid, block, slabs = launch.flat_shape(packets, interleaved or spec.partner_load, [rows])
     assert block == (launch.FLAT_THREADS, 1, 1) and slabs == [(0, 0, 0, 0)]
-    fields = dict(zip((n for n, _ in launch.FIXED_FIELDS), launch._FIXED.unpack(
-        launch.fixed_params(call, slabs, flat=geometry))))
-    assert fields["slab[0].flat_rows"] == rows == int(np.prod(shape)) // d
+    fields = dict(zip((n for n, _ in launch.FLAT_FIXED_FIELDS), launch._FLAT_FIXED.unpack(
+        launch.flat_fixed_params(call, slabs, geometry))))
+    assert fields["slab[0].rows"] == rows == int(np.prod(shape)) // d
+    assert fields["n_slabs"] == 1 and fields["max_position"] == tab.shape[0]
 
     # Every lane of the grid, as the kernel maps it.
     lanes = 32 if interleaved or spec.partner_load else 32 // packets * packets
@@ -582,9 +583,9 @@ def _check_flat_index_math(storage, b, s, h, dtype, d, interleaved, rotary_dim):
 
     # Positions by the kernel's arithmetic against the memory each row addresses.
     r = np.arange(rows, dtype=np.int64)
-    stp = (r * fields["slab[0].flat_step_mul"]) >> fields["slab[0].flat_step_shift"]
-    n = fields["slab[0].flat_seq_len"]
-    index = stp - ((stp * fields["slab[0].flat_seq_mul"]) >> fields["slab[0].flat_seq_shift"]) * n \
+    stp = (r * fields["slab[0].step_mul"]) >> fields["slab[0].step_shift"]
+    n = fields["slab[0].seq_len"]
+    index = stp - ((stp * fields["slab[0].seq_mul"]) >> fields["slab[0].seq_shift"]) * n \
         if n else stp
     offset = r * d  # element offset of the row; its logical indices by x's strides
     seq_axis = {"bshd": 1, "sbhd": 0, "thd": 0}[layout]
