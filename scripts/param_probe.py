@@ -1,6 +1,7 @@
 """Does the size of a kernel's parameter block cost time per launch? The
 lean kernel C of scripts/lean_probe.py with its 6 arguments, and the same
-kernel with a 1.5 KB struct argument appended (as large as rope::Params),
+kernel with a 1472-byte struct argument appended (rope::Params was 952
+bytes before flat_kernel got its own 304-byte FlatParams),
 on the same arrays; plus empty kernels with small and large parameters
 timed back to back.
 

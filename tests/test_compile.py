@@ -82,6 +82,33 @@ def test_params_struct_matches_kernel_header():
     assert launch.FLAT_PARAM_FIELDS[:len(launch.DYNAMIC_FIELDS)] == tuple(launch.DYNAMIC_FIELDS)
 
 
+def test_param_blocks_are_the_size_the_launcher_packs():
+    """Each kernel's parameter block, as NVRTC lays it out (the .param
+    declaration in the PTX: C++ padding included), is exactly the bytes the
+    launcher packs: Params for rope_kernel and packet_kernel, FlatParams for
+    flat_kernel."""
+    from cupy.cuda import nvrtc
+
+    want = {"flat": launch.FLAT_PARAMS_SIZE, "packets": launch.PARAMS_SIZE,
+            "heads": launch.PARAMS_SIZE}
+    picked = {}
+    for spec in launch.shipped_specs():
+        picked.setdefault(spec.mapping, spec)
+    assert set(picked) == set(want)
+    for mapping, spec in picked.items():
+        prog = nvrtc.createProgram(specialize.kernel_source(spec.source_file),
+                                   spec.source_file, [], [])
+        try:
+            nvrtc.addNameExpression(prog, spec.name_expression())
+            nvrtc.compileProgram(prog, list(specialize.NVRTC_OPTIONS) + ["-arch=compute_90"])
+            ptx = nvrtc.getPTX(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+        sizes = re.findall(r"\.param \.align \d+ \.b8 \w+\[(\d+)\]", ptx)
+        assert sizes == [str(want[mapping])], (mapping, sizes)
+
+
 def test_kernel_source_is_self_contained():
     src = specialize.kernel_source()
     assert '#include "' not in src
