@@ -86,6 +86,13 @@ __device__ void lean_b_body(const u16* __restrict__ x, u16* __restrict__ o, cons
     *reinterpret_cast<uint4*>(o + base + u * 128 + 64) = ob4;
   }
 }
+// The rotate-half partner of a d128 bf16 packet: the lane 8 away.
+__device__ __forceinline__ uint4 partner8(uint4 v) {
+  uint4 p;
+  p.x = __shfl_xor_sync(0xffffffffu, v.x, 8); p.y = __shfl_xor_sync(0xffffffffu, v.y, 8);
+  p.z = __shfl_xor_sync(0xffffffffu, v.z, 8); p.w = __shfl_xor_sync(0xffffffffu, v.w, 8);
+  return p;
+}
 // C: one 16-byte group per thread like A, but the rotate-half partner comes
 // from the lane 8 away (__shfl_xor_sync) instead of a second load: every
 // load and store instruction of a warp covers 512 contiguous bytes.
@@ -99,9 +106,7 @@ __device__ __forceinline__ void lean_c_body(const u16* __restrict__ x, u16* __re
   float cc[8], ss[8];
   row8(cs + (size_t)t * 64 + fi, cc);
   row8(sn + (size_t)t * 64 + fi, ss);
-  uint4 pv;
-  pv.x = __shfl_xor_sync(0xffffffffu, xv.x, 8); pv.y = __shfl_xor_sync(0xffffffffu, xv.y, 8);
-  pv.z = __shfl_xor_sync(0xffffffffu, xv.z, 8); pv.w = __shfl_xor_sync(0xffffffffu, xv.w, 8);
+  const uint4 pv = partner8(xv);
   const u16* xa = reinterpret_cast<const u16*>(&xv); const u16* pa = reinterpret_cast<const u16*>(&pv);
   uint4 ov; u16* oa = reinterpret_cast<u16*>(&ov);
   const float sg = c < 64 ? -1.f : 1.f;
