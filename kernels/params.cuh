@@ -5,9 +5,10 @@
 // field is 8 bytes wide (the float sits in an 8-byte slot) so that both
 // sides agree on the layout.
 //
-// The struct starts with the values that change from call to call (data
-// pointers and the scalar position offset): the launcher keeps one packed
-// copy per call signature and rewrites only that leading block per call.
+// The structs start with the values that change from call to call (data
+// pointers and the scalar position offset, CallData): the launcher keeps
+// one packed copy per call signature and rewrites only that leading block
+// per call.
 #pragma once
 #include "dtype.cuh"
 
@@ -53,8 +54,10 @@ struct Slab {
   i64 head_major;
 };
 
-struct Params {
-  // ---- per call: data pointers and the scalar offset ----
+// The leading block of every kernel's parameters: what changes from call to
+// call (data pointers and the scalar offset). Params and FlatParams both
+// start with it, so the launcher packs it the same way for every kernel.
+struct CallData {
   const void* x_data[MAX_SLABS];
   void* out_data[MAX_SLABS];  // equal to x_data when rotating in place
   // Angle source. TABLE: cos and sin tables [max_position, rotary_dim / 2].
@@ -66,8 +69,11 @@ struct Params {
   const void* offsets;    // per batch entry (or per sequence for VARLEN); may be null
   const int* cu_seqlens;  // [n_seqs + 1] (POS_MODE == VARLEN)
   i64 offset;             // added to every position
+};
 
-  // ---- fixed for a call signature ----
+// rope_kernel's and packet_kernel's parameters: the per-call block, then
+// what is fixed for a call signature.
+struct Params : CallData {
   Slab slab[MAX_SLABS];
   i64 n_slabs;
 
@@ -104,9 +110,9 @@ struct Params {
   float pad_;
 };
 
-// flat_kernel's parameters (kernels/flat.cu): Params' per-call block (the
-// same fields in the same order, so the launcher fills pointers the same
-// way), then only what flat_kernel reads: 304 bytes, against 952 for
+// flat_kernel's parameters (kernels/flat.cu): the per-call block, then
+// only what flat_kernel reads (it takes no positions, offsets or
+// cu_seqlens, which stay null): 304 bytes, against 952 for
 // Params when it carried flat_kernel's fields (808 now). A launch carries
 // its whole parameter block: on the H100 a 1472-byte block cost 0.15-0.35
 // us per launch over a 40-byte one, on kernels of 4 to 93 us
@@ -125,18 +131,7 @@ struct FlatSlab {
   i64 seq_shift;
 };
 
-struct FlatParams {
-  // ---- per call, as in Params ----
-  const void* x_data[MAX_SLABS];
-  void* out_data[MAX_SLABS];
-  const void* cos;
-  const void* sin;
-  const void* positions;  // unused (implied positions)
-  const void* offsets;    // unused
-  const int* cu_seqlens;  // unused
-  i64 offset;
-
-  // ---- fixed for a call signature ----
+struct FlatParams : CallData {
   FlatSlab slab[MAX_SLABS];
   i64 n_slabs;
   i64 cos_stride_row;

@@ -57,9 +57,12 @@ def test_params_struct_matches_kernel_header():
     assert slabs == launch.MAX_SLABS
 
     def fields(struct):
-        body = re.search(r"struct %s \{(.*?)\};" % struct, text, re.S).group(1)
-        return [(m.group(1).split()[-1].strip("*"), m.group(2), m.group(3))
-                for m in re.finditer(r"([\w\s\*]*?)\s*\b(\w+)(?:\[(\w+)\])?;", body)]
+        """(type, name, array length) of each member, a base struct's first."""
+        base, body = re.search(r"struct %s(?: : (\w+))? \{(.*?)\};" % struct, text,
+                               re.S).groups()
+        own = [(m.group(1).split()[-1].strip("*"), m.group(2), m.group(3))
+               for m in re.finditer(r"([\w\s\*]*?)\s*\b(\w+)(?:\[(\w+)\])?;", body)]
+        return (fields(base) if base else []) + own
 
     def expand(struct, prefix=""):
         names = []
@@ -73,9 +76,10 @@ def test_params_struct_matches_kernel_header():
                     names.append(full)
         return names
 
+    assert expand("CallData") == [name for name, _ in launch.DYNAMIC_FIELDS]
     assert expand("Params") == [name for name, _ in launch.PARAM_FIELDS]
     assert launch.PARAMS_SIZE == sum(8 if c in "qQ" else 4 for _, c in launch.PARAM_FIELDS)
-    # flat_kernel's own block: Params' per-call fields first, then its own
+    # flat_kernel's own block: the per-call fields first, then its own
     assert expand("FlatParams") == [name for name, _ in launch.FLAT_PARAM_FIELDS]
     assert launch.FLAT_PARAMS_SIZE == sum(8 if c in "qQ" else 4
                                           for _, c in launch.FLAT_PARAM_FIELDS)
