@@ -38,15 +38,18 @@ LANES_ROUND_UP = True
 # 2, more warps in flight (fp32 one-head 0.73 -> 0.86 of copy). 0: keep 256.
 SMALL_BLOCK_THREADS = 128
 
-# Tokens per block to aim for with cu_seqlens: each block searches for its
-# first sequence (one dependent load per 32-fold narrowing) before it loads,
-# so blocks take more tokens when that search is deeper. thd [65536, 32, 128]
-# bf16 on the H100, of copy, for n_seqs 1 / 128 / 2401: 4 tokens 0.972 /
-# 0.986 / 0.944, 8 tokens 0.948 / 0.965 / 0.972, 16 tokens 0.932 / 0.946 /
-# 0.953.
-VARLEN_MIN_TOKENS = 8
-VARLEN_FEW_SEQS = 1024  # up to this many sequences (two search steps): 4 tokens
-VARLEN_FEW_SEQS_MIN_TOKENS = 4
+# Tokens per block to aim for with cu_seqlens: each block's first warp
+# searches for its tokens' sequences (one dependent load per 32-fold
+# narrowing) while the other warps issue their first loads
+# (kernels/positions.cuh, SequenceSignal). thd [65536, 32, 128] bf16 on the
+# H100, of copy, n_seqs 1 / 128 / 2401: fp32 tables, 4 tokens 0.975 / 1.005 /
+# 0.984, 8 tokens 0.952 / 0.976 / 0.975; inv_freq with 2401 sequences, 4
+# tokens 0.948, 8 tokens 0.973 (docs/perf-notes.md, v14).
+VARLEN_MIN_TOKENS = 4
+# Angles computed in the kernel (inv_freq, freqs) for more than
+# VARLEN_FEW_SEQS sequences (three search steps): 8 tokens.
+VARLEN_FEW_SEQS = 1024
+VARLEN_COMPUTED_MIN_TOKENS = 8
 # packet_kernel (kernels/packet.cu) for full rotary on 16-byte aligned views
 # with a unit channel stride: two 16-byte packets per thread (GPT-J fp32:
 # one), a short prologue.
@@ -316,14 +319,20 @@ def block_shape(items: int, slab_heads: tuple, tokens: int, unroll: int, sm_coun
     """
     heads = max(slab_heads)
     lane_need = -(-heads // unroll)
-    by = _pow2_ceil(lane_need) if LANES_ROUND_UP else _pow2_floor(lane_need)
+    # Varlen blocks (min_tokens > 1) round head lanes down: a thread with a
+    # partial pass only (24 heads over 8 lanes) leaves its block too few loads
+    # in flight to cover the sequence search (thd [65536, 24, 80] 0.88 -> 0.97
+    # of copy).
+    round_up = LANES_ROUND_UP and min_tokens == 1
+    by = _pow2_ceil(lane_need) if round_up else _pow2_floor(lane_need)
     by = min(by, _pow2_floor(min(THREADS_PER_BLOCK // items, MAX_HEAD_LANES)))
     if min_tokens > 1:  # e.g. varlen: amortize the per-block sequence search
         by = min(by, _pow2_floor(THREADS_PER_BLOCK // (items * min_tokens)))
     threads = THREADS_PER_BLOCK
     if SMALL_BLOCK_THREADS and -(-heads // by) < unroll:
-        # Less than one full pass of heads per thread: smaller blocks, more of them per SM.
-        threads = max(SMALL_BLOCK_THREADS, items * by)
+        # Less than one full pass of heads per thread: smaller blocks, more of them per SM
+        # (still min_tokens token lanes).
+        threads = min(THREADS_PER_BLOCK, max(SMALL_BLOCK_THREADS, items * by * min_tokens))
     bz = max(1, min(threads // (items * by), MAX_BLOCK_Z))
     bz = min(bz, max(1, tokens))
     layout = []
@@ -437,8 +446,10 @@ def reciprocal(d: int):
     return (1 << shift) // d + 1, shift
 
 
-def _varlen_min_tokens(n_seqs: int) -> int:
-    return VARLEN_FEW_SEQS_MIN_TOKENS if n_seqs <= VARLEN_FEW_SEQS else VARLEN_MIN_TOKENS
+def _varlen_min_tokens(n_seqs: int, source: str) -> int:
+    if source != "table" and n_seqs > VARLEN_FEW_SEQS:
+        return VARLEN_COMPUTED_MIN_TOKENS
+    return VARLEN_MIN_TOKENS
 
 
 # ---------------------------------------------------------------- params --
@@ -554,7 +565,7 @@ class Plan:
             self.grid, self.block, slab_blocks = block_shape(
                 spec.rot_items + spec.tail_items, heads, call.tokens, spec.unroll,
                 _sm_count(self.device_id),
-                _varlen_min_tokens(call.n_seqs) if call.pos_mode == VARLEN else 1)
+                _varlen_min_tokens(call.n_seqs, call.source) if call.pos_mode == VARLEN else 1)
         elif spec.mapping == "flat":
             flat = flat_geometry(call)
             self.grid, self.block, slab_blocks = flat_shape(

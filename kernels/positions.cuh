@@ -74,6 +74,70 @@ __device__ __forceinline__ i64 warp_find_sequence(const Params& p, i64 lo, i64 h
   return lo;
 }
 
+// VARLEN: the block's token sequences (find_block_sequences, below) are
+// published by the lanes that search and read by every thread once it needs
+// its position. On sm_80 and newer the signal is an mbarrier in shared
+// memory whose first phase completes when every searching lane has arrived
+// (an arrive releases that lane's writes, a completed wait acquires them),
+// so the other warps issue their first loads while the search runs; older
+// GPUs wait at a block barrier after the search.
+struct SequenceSignal {
+  unsigned long long barrier;  // the mbarrier object (8-byte aligned)
+};
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// Called by every thread of the block before the search: `arrivals` lanes
+// will fire the signal.
+__device__ __forceinline__ void signal_init(SequenceSignal& sig, int tid, unsigned arrivals) {
+#if __CUDA_ARCH__ >= 800
+  if (tid == 0)
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(shared_address(&sig.barrier)),
+                 "r"(arrivals)
+                 : "memory");
+  __syncthreads();  // before any memory read: costs no memory latency
+#endif
+}
+
+// Called by every thread of the block after the search (`searcher`: one of
+// the arriving lanes).
+__device__ __forceinline__ void signal_fire(SequenceSignal& sig, bool searcher) {
+#if __CUDA_ARCH__ >= 800
+  if (searcher)
+    asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared.b64 state, [%0];\n}" ::"r"(
+                     shared_address(&sig.barrier))
+                 : "memory");
+#else
+  __syncthreads();
+#endif
+}
+
+// Returns once the search's results are visible to this thread.
+__device__ __forceinline__ void signal_wait(SequenceSignal& sig) {
+#if __CUDA_ARCH__ >= 800
+  unsigned done;
+  do {
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared.b64 p, [%1], 0;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(shared_address(&sig.barrier))
+        : "memory");
+#else
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], 0;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(shared_address(&sig.barrier))
+        : "memory");
+#endif
+  } while (!done);
+#endif
+}
+
 // VARLEN: the sequence of each token of this block, written to
 // seq_of_lane[z] for token first + z, z < count (-1 for a token no sequence
 // covers). The block's tokens are [first, last]. The first warp finds the

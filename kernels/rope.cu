@@ -107,14 +107,29 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
   constexpr int STEP = INTERLEAVED ? 2 : 1;
   const int ch[2] = {STEP * f0, f0 + HALF};
 
-  i64 seq = 0;
+  // VARLEN: the first warp finds the sequences of the block's tokens while
+  // the other warps go on to issue their first pass's loads; a thread waits
+  // for the search (positions.cuh, SequenceSignal) only when it needs its
+  // position, so the search's dependent cu_seqlens reads overlap the block's
+  // x reads instead of preceding them.
+  __shared__ int seq_of_lane[MAX_BLOCK_TOKENS];
+  __shared__ SequenceSignal seq_ready;
   if constexpr (POS_MODE == VARLEN) {
-    __shared__ int seq_of_lane[MAX_BLOCK_TOKENS];
+    const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const int search_lanes = min(32, static_cast<int>(blockDim.x * blockDim.y * blockDim.z));
+    signal_init(seq_ready, tid, search_lanes);
     find_block_sequences(p, first, min(first + block_tokens, n_tokens) - 1, block_tokens,
-                         seq_of_lane);
-    __syncthreads();
-    seq = seq_of_lane[token_lane];
+                         seq_of_lane);  // the first search_lanes threads
+    signal_fire(seq_ready, tid < search_lanes);
   }
+  auto token_sequence = [&]() -> i64 {
+    if constexpr (POS_MODE == VARLEN) {
+      signal_wait(seq_ready);
+      return seq_of_lane[token_lane];
+    } else {
+      return 0;
+    }
+  };
   if (!live) return;
 
   if (item < ROT_ITEMS) {
@@ -126,7 +141,8 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
         axis_angles<SOURCE, AngleT, PAIRS>(p, pos, f0, c, s);
       } else {
         i64 pos = 0;
-        const bool valid = token_position<POS_MODE>(p, token, outer, inner, seq, pos);
+        const bool valid =
+            token_position<POS_MODE>(p, token, outer, inner, token_sequence(), pos);
         angles<SOURCE, AngleT, PAIRS, TABLE_STRIDED>(p, pos, valid, f0, c, s);
       }
     };
@@ -134,9 +150,10 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
 
     // UNROLL heads per pass: all loads first, then rotate and store. The
     // angles are found after the first pass's loads are issued, so that
-    // the position and table reads wait alongside them, not before them.
-    // (Issuing the first pass's loads before the VARLEN sequence search and
-    // its barrier was tried: it raised registers to the cap and lost 13%.)
+    // the position and table reads (and, VARLEN, the wait for the block's
+    // sequence search) overlap them. (Keep the pass's array local to the
+    // loop: carried across passes, or filled before the loop, its loads
+    // were issued one at a time and varlen lost 15-30%.)
     bool have_angles = false;
     for (int h0 = h_first; h0 < h_end; h0 += h_step * UNROLL) {
       Packet<T, WIDTH> raw[UNROLL][PACKETS];

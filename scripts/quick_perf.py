@@ -1,6 +1,7 @@
 """Quick GPU timings for kernel work: a few workloads vs a same-run copy,
 and the host cost of a cached decode call. The full benchmark is
 ``python -m cupy_rope.bench``."""
+import itertools
 import statistics
 import sys
 import time
@@ -48,7 +49,7 @@ def variant(unroll, min_blocks, lanes=32, varlen_tokens=None, threads=256, defin
     launch.UNROLL = unroll
     launch.MAX_HEAD_LANES = lanes
     if varlen_tokens is not None:
-        launch.VARLEN_MIN_TOKENS = launch.VARLEN_FEW_SEQS_MIN_TOKENS = varlen_tokens
+        launch.VARLEN_MIN_TOKENS = launch.VARLEN_COMPUTED_MIN_TOKENS = varlen_tokens
     launch.THREADS_PER_BLOCK = threads
     specialize.NVRTC_OPTIONS = ("-std=c++17", f"-DROPE_MIN_BLOCKS_PER_SM={min_blocks}",
                                 *[f"-D{d}" for d in defines])
@@ -150,6 +151,32 @@ def thd_probe():
     for name, t in rows:
         print(f"{name:40s} {t:9.1f} us  {t_copy / t:6.3f} of copy", flush=True)
     kernel_attributes()
+
+
+def thd_shapes():
+    """thd with 128 and 2401 packed sequences beyond the benchmark's [65536, 32, 128]
+    NeoX row: GPT-J, 24 heads of 80, 8 heads, fp16; fp32 tables and inv_freq."""
+    T = 65536
+    rng = np.random.default_rng(0)
+    cus = {n: cupy.asarray(np.concatenate([[0], np.sort(rng.choice(np.arange(1, T), n - 1,
+                                                                    replace=False)), [T]])
+                           .astype(np.int32)) for n in (128, 2401)}
+    for heads, d, interleaved, dtype in ((32, 128, True, bf16()), (24, 80, False, bf16()),
+                                         (24, 96, False, bf16()), (8, 128, False, bf16()),
+                                         (32, 128, False, cupy.float16), (32, 64, False, bf16())):
+        inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
+        th = cupy.arange(T + 8, dtype=cupy.float32)[:, None] * inv
+        cos, sin = cupy.cos(th), cupy.sin(th)
+        x = [cupy.random.standard_normal((T, heads, d), dtype=cupy.float32).astype(dtype)
+             for _ in range(2)]
+        sets = list(zip(x, [cupy.empty_like(a) for a in x]))
+        t_copy = copy_us(x[0].nbytes)
+        name = f"thd [T, {heads}, {d}] {'GPT-J' if interleaved else 'NeoX'} {cupy.dtype(dtype).name}"
+        for (n, cu), (src, kw) in itertools.product(
+                cus.items(), (("tables", {"cos": cos, "sin": sin}), ("inv_freq", {"inv_freq": inv}))):
+            t = time_us(lambda a, b: cupy_rope.apply_rope(a, layout="thd", cu_seqlens=cu, out=b,
+                                                          interleaved=interleaved, **kw), sets)
+            print(f"{name} n={n} {src:8s} {t:9.1f} us  {t_copy / t:6.3f} of copy", flush=True)
 
 
 def kernel_attributes():
@@ -394,7 +421,7 @@ def main(host=True):
     cos, sin = cupy.cos(th), cupy.sin(th)
     rows = []
     # A probe flag runs that probe instead of the standard rows.
-    probes = {"--thd-probe": thd_probe, "--small-probe": small_probe, "--dims": dims_sweep,
+    probes = {"--thd-probe": thd_probe, "--thd-shapes": thd_shapes, "--small-probe": small_probe, "--dims": dims_sweep,
               "--placements": placements, "--sources": sources, "--explicit": explicit}
     asked = [fn for flag, fn in probes.items() if flag in sys.argv]
     for fn in asked:
@@ -546,7 +573,7 @@ if __name__ == "__main__":
                                                     "FLAT_KERNELS", "FLAT_PARTNER_LOAD_ALWAYS",
                                                     "FLAT_MAX_IDLE_LANES",
                                                     "VARLEN_FEW_SEQS", "VARLEN_MIN_TOKENS",
-                                                    "VARLEN_FEW_SEQS_MIN_TOKENS",
+                                                    "VARLEN_COMPUTED_MIN_TOKENS",
                                                     "COMPUTED_ANGLES_HEADS",
                                                     "EXPLICIT_PACKET_ROWS")}
         for spec in sys.argv[sys.argv.index("--variants") + 1:]:

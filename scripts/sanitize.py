@@ -1,6 +1,8 @@
 """Every kernel path on small inputs, for compute-sanitizer (issue 7).
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/sanitize.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/sanitize.py [NAME ...]
+
+(NAME: run only the cases whose function name contains it.)
 
 Each case runs one public function on CuPy arrays and compares the result
 with the library's float64 NumPy path on the same inputs, so a run is both a
@@ -384,9 +386,12 @@ def outside_the_table_and_empty():
     return 6
 
 
-def main() -> int:
+def main(names=()) -> int:
+    """Run every case, or those whose function name contains one of ``names``."""
     total = 0
     for fn in CASES:
+        if names and not any(n in fn.__name__ for n in names):
+            continue
         n = fn()
         print(f"{fn.__name__}: {n} calls OK", flush=True)
         total += n
@@ -396,4 +401,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

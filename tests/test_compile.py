@@ -42,6 +42,15 @@ def test_other_architectures_compile(arch):
     specialize.compile_for_arch(specs, arch)
 
 
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90", "sm_100"])
+def test_varlen_sequence_signal_compiles_on_each_path(arch):
+    # kernels/positions.cuh SequenceSignal: a block barrier before sm_80, an
+    # mbarrier polled with test_wait on sm_80-89 and with try_wait from sm_90.
+    specs = [s for s in launch.shipped_specs() if s.pos_mode == "varlen"][:12]
+    assert {s.mapping for s in specs} == {"heads"}
+    specialize.compile_for_arch(specs, arch)
+
+
 def test_compile_error_is_reported():
     bad = specialize.Spec("float32", "float32", 8, 6, False, "table", 4, 1, False, False, True,
                           4, "implied")  # 4 pairs do not divide 3

@@ -180,10 +180,15 @@ def test_bound_launcher_empty_plan_launches_nothing(driver_calls):
     assert not calls and not general
 
 
-def test_varlen_tokens_per_block_follow_the_search_depth():
-    assert launch._varlen_min_tokens(1) == launch.VARLEN_FEW_SEQS_MIN_TOKENS
-    assert launch._varlen_min_tokens(launch.VARLEN_FEW_SEQS) == launch.VARLEN_FEW_SEQS_MIN_TOKENS
-    assert launch._varlen_min_tokens(launch.VARLEN_FEW_SEQS + 1) == launch.VARLEN_MIN_TOKENS
+def test_varlen_tokens_per_block_follow_the_search_depth_and_angle_source():
+    many = launch.VARLEN_FEW_SEQS + 1
+    for n in (1, launch.VARLEN_FEW_SEQS, many):
+        assert launch._varlen_min_tokens(n, "table") == launch.VARLEN_MIN_TOKENS
+    for source in ("inv_freq", "angle_table"):
+        assert launch._varlen_min_tokens(1, source) == launch.VARLEN_MIN_TOKENS
+        assert launch._varlen_min_tokens(launch.VARLEN_FEW_SEQS, source) == launch.VARLEN_MIN_TOKENS
+        assert launch._varlen_min_tokens(many, source) == launch.VARLEN_COMPUTED_MIN_TOKENS
+    assert launch.VARLEN_COMPUTED_MIN_TOKENS > launch.VARLEN_MIN_TOKENS
 
 
 def test_too_many_heads_is_refused_before_launch():
