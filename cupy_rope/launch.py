@@ -26,12 +26,13 @@ from .validate import AXES, EXPLICIT, IMPLIED, VARLEN, Call, disjoint_at, lattic
 MAX_VECTOR_BYTES = 16  # widest single global load/store
 THREADS_PER_BLOCK = 256
 UNROLL = 4  # heads per thread per pass, loads issued together
-MAX_BLOCK_Z = 64  # CUDA's limit on blockDim.z (kernels/params.cuh MAX_BLOCK_Z)
+MAX_BLOCK_Z = 64  # CUDA's limit on blockDim.z
 BLOCKS_PER_SM = 8  # blocks to aim for before splitting heads over blockIdx.y
 MAX_HEAD_LANES = 32  # head lanes per block; fewer lanes: more tokens, more heads per thread
 # Head lanes: the power of two at or above heads / UNROLL, so that a thread
 # makes one pass over fewer heads rather than a full pass plus a partial one
 # (24 heads: 8 lanes of 3, not 4 lanes of 4 + 2; diffusion d80/d96 +3%).
+# Not for blocks that take a minimum of tokens (varlen): see block_shape.
 LANES_ROUND_UP = True
 # Threads per block when a thread has fewer than UNROLL heads (one head per
 # token, or 24 heads over 8 lanes): smaller blocks fit 5 per SM instead of
@@ -312,17 +313,19 @@ def block_shape(items: int, slab_heads: tuple, tokens: int, unroll: int, sm_coun
     (``head_lanes``, a power of two dividing blockDim.y) and gives the
     other lanes further tokens, so its threads also load ``unroll`` heads at
     once. With few tokens (decode) a slab's heads are split into groups so
-    that the grid still covers every SM several times.
+    that the grid still covers every SM several times. ``min_tokens`` > 1
+    (varlen: each block searches cu_seqlens once): at least that many token
+    lanes per block where the heads allow, head lanes rounded down.
 
     Returns (grid, block, slabs) with slabs[k] = (block_begin, token_blocks,
     head_lanes, heads_per_block).
     """
     heads = max(slab_heads)
     lane_need = -(-heads // unroll)
-    # Varlen blocks (min_tokens > 1) round head lanes down: a thread with a
-    # partial pass only (24 heads over 8 lanes) leaves its block too few loads
-    # in flight to cover the sequence search (thd [65536, 24, 80] 0.88 -> 0.97
-    # of copy).
+    # Blocks with a minimum of tokens (varlen) round head lanes down: a
+    # thread with a partial pass only (24 heads over 8 lanes) leaves its block
+    # too few loads in flight to cover the sequence search (thd [65536, 24,
+    # 80] with 128 / 2401 sequences: 0.912 / 0.900 -> 0.967 / 0.941 of copy).
     round_up = LANES_ROUND_UP and min_tokens == 1
     by = _pow2_ceil(lane_need) if round_up else _pow2_floor(lane_need)
     by = min(by, _pow2_floor(min(THREADS_PER_BLOCK // items, MAX_HEAD_LANES)))

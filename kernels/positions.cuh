@@ -74,13 +74,25 @@ __device__ __forceinline__ i64 warp_find_sequence(const Params& p, i64 lo, i64 h
   return lo;
 }
 
+// The lanes that search for a VARLEN block's sequences: the first warp, or
+// every thread of a block smaller than a warp. (find_block_sequences and
+// the SequenceSignal's arrival count both use this.)
+__device__ __forceinline__ int search_lanes() {
+  return min(32, static_cast<int>(blockDim.x * blockDim.y * blockDim.z));
+}
+
+__device__ __forceinline__ int block_thread_index() {
+  return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
+
 // VARLEN: the block's token sequences (find_block_sequences, below) are
 // published by the lanes that search and read by every thread once it needs
 // its position. On sm_80 and newer the signal is an mbarrier in shared
 // memory whose first phase completes when every searching lane has arrived
 // (an arrive releases that lane's writes, a completed wait acquires them),
 // so the other warps issue their first loads while the search runs; older
-// GPUs wait at a block barrier after the search.
+// GPUs wait at a block barrier after the search. (The sm_80-89 wait polls
+// test_wait; only the sm_90 path, try_wait, has been timed.)
 struct SequenceSignal {
   unsigned long long barrier;  // the mbarrier object (8-byte aligned)
 };
@@ -148,11 +160,12 @@ __device__ __forceinline__ void signal_wait(SequenceSignal& sig) {
 // for its tokens by a binary search over the lanes' starts (shuffles): two
 // dependent loads after s0's search. Otherwise each lane searches the range
 // [s0, s_last] of cu_seqlens for its tokens. Called by every thread of the
-// block; a barrier follows.
+// block (threads past search_lanes() return at once); the searching lanes
+// then fire the block's SequenceSignal.
 __device__ __forceinline__ void find_block_sequences(const Params& p, i64 first, i64 last,
                                                      int count, int* seq_of_lane) {
-  const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-  const int lanes = min(32, static_cast<int>(blockDim.x * blockDim.y * blockDim.z));
+  const int tid = block_thread_index();
+  const int lanes = search_lanes();
   if (tid >= lanes) return;
   const unsigned mask = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
   const i64 n = p.n_seqs;

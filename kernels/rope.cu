@@ -107,20 +107,20 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
   constexpr int STEP = INTERLEAVED ? 2 : 1;
   const int ch[2] = {STEP * f0, f0 + HALF};
 
-  // VARLEN: the first warp finds the sequences of the block's tokens while
-  // the other warps go on to issue their first pass's loads; a thread waits
-  // for the search (positions.cuh, SequenceSignal) only when it needs its
-  // position, so the search's dependent cu_seqlens reads overlap the block's
-  // x reads instead of preceding them.
+  // VARLEN: the first warp finds the sequences of the block's tokens; on
+  // sm_80 and newer the other warps go on to issue their first pass's loads
+  // meanwhile, and a thread waits for the search (positions.cuh,
+  // SequenceSignal) only when it needs its position, so the search's
+  // dependent cu_seqlens reads overlap the block's x reads instead of
+  // preceding them (before sm_80: a block barrier after the search).
   __shared__ int seq_of_lane[MAX_BLOCK_TOKENS];
   __shared__ SequenceSignal seq_ready;
   if constexpr (POS_MODE == VARLEN) {
-    const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-    const int search_lanes = min(32, static_cast<int>(blockDim.x * blockDim.y * blockDim.z));
-    signal_init(seq_ready, tid, search_lanes);
+    const int tid = block_thread_index();
+    signal_init(seq_ready, tid, search_lanes());
     find_block_sequences(p, first, min(first + block_tokens, n_tokens) - 1, block_tokens,
-                         seq_of_lane);  // the first search_lanes threads
-    signal_fire(seq_ready, tid < search_lanes);
+                         seq_of_lane);  // the first search_lanes() threads
+    signal_fire(seq_ready, tid < search_lanes());
   }
   auto token_sequence = [&]() -> i64 {
     if constexpr (POS_MODE == VARLEN) {

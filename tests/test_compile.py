@@ -42,13 +42,36 @@ def test_other_architectures_compile(arch):
     specialize.compile_for_arch(specs, arch)
 
 
-@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90", "sm_100"])
-def test_varlen_sequence_signal_compiles_on_each_path(arch):
+@pytest.mark.parametrize("arch, waits, absent", [
+    ("sm_75", (), ("mbarrier",)),
+    ("sm_80", ("mbarrier.arrive", "mbarrier.test_wait.parity"), ("try_wait",)),
+    ("sm_90", ("mbarrier.arrive", "mbarrier.try_wait.parity"), ("test_wait",)),
+    ("sm_100", ("mbarrier.arrive", "mbarrier.try_wait.parity"), ("test_wait",)),
+])
+def test_varlen_sequence_signal_compiles_on_each_path(arch, waits, absent):
     # kernels/positions.cuh SequenceSignal: a block barrier before sm_80, an
     # mbarrier polled with test_wait on sm_80-89 and with try_wait from sm_90.
+    from cupy.cuda import nvrtc
+
     specs = [s for s in launch.shipped_specs() if s.pos_mode == "varlen"][:12]
-    assert {s.mapping for s in specs} == {"heads"}
-    specialize.compile_for_arch(specs, arch)
+    specialize.compile_for_arch(specs, arch)  # cubin, no warnings
+    prog = nvrtc.createProgram(specialize.kernel_source("rope.cu"), "rope.cu", [], [])
+    try:
+        for s in specs:
+            nvrtc.addNameExpression(prog, s.name_expression())
+        nvrtc.compileProgram(prog, list(specialize.NVRTC_OPTIONS)
+                             + [f"-arch=compute_{arch[3:]}"])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
+    entries = ptx.count(".entry ")
+    assert entries == len(specs)
+    for w in waits:  # every kernel waits on the signal
+        assert ptx.count(w) >= entries, w
+    for a in absent:
+        assert a not in ptx
+    assert ptx.count("bar.sync") >= entries  # init barrier, or the barrier after the search
 
 
 def test_compile_error_is_reported():
