@@ -91,8 +91,8 @@ __device__ __forceinline__ int block_thread_index() {
 // memory whose first phase completes when every searching lane has arrived
 // (an arrive releases that lane's writes, a completed wait acquires them),
 // so the other warps issue their first loads while the search runs; older
-// GPUs wait at a block barrier after the search. (The sm_80-89 wait polls
-// test_wait; only the sm_90 path, try_wait, has been timed.)
+// GPUs wait at a block barrier after the search. (Only the sm_90 path has
+// been timed.)
 struct SequenceSignal {
   unsigned long long barrier;  // the mbarrier object (8-byte aligned)
 };
@@ -101,23 +101,23 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// Called by every thread of the block before the search: `arrivals` lanes
-// will fire the signal.
-__device__ __forceinline__ void signal_init(SequenceSignal& sig, int tid, unsigned arrivals) {
+// Called by every thread of the block before the search: the
+// search_lanes() lanes will fire the signal.
+__device__ __forceinline__ void signal_init(SequenceSignal& sig) {
 #if __CUDA_ARCH__ >= 800
-  if (tid == 0)
+  if (block_thread_index() == 0)
     asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(shared_address(&sig.barrier)),
-                 "r"(arrivals)
+                 "r"(search_lanes())
                  : "memory");
   __syncthreads();  // before any memory read: costs no memory latency
 #endif
 }
 
-// Called by every thread of the block after the search (`searcher`: one of
-// the arriving lanes).
-__device__ __forceinline__ void signal_fire(SequenceSignal& sig, bool searcher) {
+// Called by every thread of the block after the search: each searching
+// lane arrives (after its own writes).
+__device__ __forceinline__ void signal_fire(SequenceSignal& sig) {
 #if __CUDA_ARCH__ >= 800
-  if (searcher)
+  if (block_thread_index() < search_lanes())
     asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared.b64 state, [%0];\n}" ::"r"(
                      shared_address(&sig.barrier))
                  : "memory");
@@ -126,27 +126,25 @@ __device__ __forceinline__ void signal_fire(SequenceSignal& sig, bool searcher) 
 #endif
 }
 
-// Returns once the search's results are visible to this thread.
+// Returns once the search's results are visible to this thread: polls the
+// first phase's completion (try_wait from sm_90, which may suspend the
+// thread for a while; test_wait on sm_80-89).
 __device__ __forceinline__ void signal_wait(SequenceSignal& sig) {
 #if __CUDA_ARCH__ >= 800
+#if __CUDA_ARCH__ >= 900
+#define ROPE_MBARRIER_WAIT "mbarrier.try_wait.parity.shared.b64"
+#else
+#define ROPE_MBARRIER_WAIT "mbarrier.test_wait.parity.shared.b64"
+#endif
   unsigned done;
   do {
-#if __CUDA_ARCH__ >= 900
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared.b64 p, [%1], 0;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(shared_address(&sig.barrier))
-        : "memory");
-#else
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], 0;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(shared_address(&sig.barrier))
-        : "memory");
-#endif
+    asm volatile("{\n .reg .pred p;\n " ROPE_MBARRIER_WAIT " p, [%1], 0;\n"
+                 " selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done)
+                 : "r"(shared_address(&sig.barrier))
+                 : "memory");
   } while (!done);
+#undef ROPE_MBARRIER_WAIT
 #endif
 }
 

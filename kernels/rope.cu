@@ -116,11 +116,10 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
   __shared__ int seq_of_lane[MAX_BLOCK_TOKENS];
   __shared__ SequenceSignal seq_ready;
   if constexpr (POS_MODE == VARLEN) {
-    const int tid = block_thread_index();
-    signal_init(seq_ready, tid, search_lanes());
+    signal_init(seq_ready);
     find_block_sequences(p, first, min(first + block_tokens, n_tokens) - 1, block_tokens,
                          seq_of_lane);  // the first search_lanes() threads
-    signal_fire(seq_ready, tid < search_lanes());
+    signal_fire(seq_ready);
   }
   auto token_sequence = [&]() -> i64 {
     if constexpr (POS_MODE == VARLEN) {

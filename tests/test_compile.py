@@ -11,6 +11,23 @@ from cupy_rope import launch, specialize
 CHUNK = 60  # name expressions per NVRTC program
 
 
+def _ptx(specs, arch="sm_90"):
+    """NVRTC's PTX for ``specs`` (one source file) on ``arch``'s virtual arch."""
+    from cupy.cuda import nvrtc
+
+    source_file = specs[0].source_file
+    prog = nvrtc.createProgram(specialize.kernel_source(source_file), source_file, [], [])
+    try:
+        for s in specs:
+            nvrtc.addNameExpression(prog, s.name_expression())
+        nvrtc.compileProgram(prog, list(specialize.NVRTC_OPTIONS)
+                             + [f"-arch=compute_{arch[3:]}"])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
+
+
 def _compile_chunk(args):
     specs, arch = args
     return specialize.compile_for_arch(specs, arch)
@@ -51,20 +68,9 @@ def test_other_architectures_compile(arch):
 def test_varlen_sequence_signal_compiles_on_each_path(arch, waits, absent):
     # kernels/positions.cuh SequenceSignal: a block barrier before sm_80, an
     # mbarrier polled with test_wait on sm_80-89 and with try_wait from sm_90.
-    from cupy.cuda import nvrtc
-
     specs = [s for s in launch.shipped_specs() if s.pos_mode == "varlen"][:12]
     specialize.compile_for_arch(specs, arch)  # cubin, no warnings
-    prog = nvrtc.createProgram(specialize.kernel_source("rope.cu"), "rope.cu", [], [])
-    try:
-        for s in specs:
-            nvrtc.addNameExpression(prog, s.name_expression())
-        nvrtc.compileProgram(prog, list(specialize.NVRTC_OPTIONS)
-                             + [f"-arch=compute_{arch[3:]}"])
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
+    ptx = _ptx(specs, arch)
     entries = ptx.count(".entry ")
     assert entries == len(specs)
     for w in waits:  # every kernel waits on the signal
@@ -123,8 +129,6 @@ def test_param_blocks_are_the_size_the_launcher_packs():
     declaration in the PTX: C++ padding included), is exactly the bytes the
     launcher packs: Params for rope_kernel and packet_kernel, FlatParams for
     flat_kernel."""
-    from cupy.cuda import nvrtc
-
     want = {"flat": launch.FLAT_PARAMS_SIZE, "packets": launch.PARAMS_SIZE,
             "heads": launch.PARAMS_SIZE}
     picked = {}
@@ -132,15 +136,7 @@ def test_param_blocks_are_the_size_the_launcher_packs():
         picked.setdefault(spec.mapping, spec)
     assert set(picked) == set(want)
     for mapping, spec in picked.items():
-        prog = nvrtc.createProgram(specialize.kernel_source(spec.source_file),
-                                   spec.source_file, [], [])
-        try:
-            nvrtc.addNameExpression(prog, spec.name_expression())
-            nvrtc.compileProgram(prog, list(specialize.NVRTC_OPTIONS) + ["-arch=compute_90"])
-            ptx = nvrtc.getPTX(prog)
-        finally:
-            nvrtc.destroyProgram(prog)
-        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+        ptx = _ptx([spec])
         sizes = re.findall(r"\.param \.align \d+ \.b8 \w+\[(\d+)\]", ptx)
         assert sizes == [str(want[mapping])], (mapping, sizes)
 
