@@ -48,7 +48,9 @@ SMALL_BLOCK_THREADS = 128
 # tokens 0.948, 8 tokens 0.973 (docs/perf-notes.md, v14).
 VARLEN_MIN_TOKENS = 4
 # Angles computed in the kernel (inv_freq, freqs) for more than
-# VARLEN_FEW_SEQS sequences (three search steps): 8 tokens.
+# VARLEN_FEW_SEQS sequences (three search steps): 8 tokens. (Above it, with
+# tables, the searching warp also prefetches its first loads: kernels/rope.cu
+# SEARCH_PREFETCH_MIN_SEQS, the same number.)
 VARLEN_FEW_SEQS = 1024
 VARLEN_COMPUTED_MIN_TOKENS = 8
 # packet_kernel (kernels/packet.cu) for full rotary on 16-byte aligned views

@@ -35,6 +35,9 @@ namespace rope {
 #endif
 // Register budget: this many full blocks resident per SM.
 constexpr int MIN_BLOCKS_PER_SM = ROPE_MIN_BLOCKS_PER_SM;
+#ifndef ROPE_SEARCH_PREFETCH  // scripts/quick_perf.py times 0 (off)
+#define ROPE_SEARCH_PREFETCH 1
+#endif
 constexpr int MAX_THREADS = 256;  // threads per block (cupy_rope/launch.py THREADS_PER_BLOCK)
 constexpr int MAX_BLOCK_TOKENS = MAX_THREADS;  // tokens one block can cover
 
@@ -117,6 +120,33 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
   __shared__ SequenceSignal seq_ready;
   if constexpr (POS_MODE == VARLEN) {
     signal_init(seq_ready);
+#if ROPE_SEARCH_PREFETCH
+    // The searching warp's own loads wait for the search. With many
+    // sequences (a search of three steps, whose reads miss L1) it first asks
+    // for its first pass's packets, into L1, so that those loads do not then
+    // wait for DRAM as well (thd [65536, 32, 128] bf16, 2401 sequences, of
+    // copy on the H100: 0.980-0.986 -> 0.993-0.996; 8 heads 0.92-0.93 ->
+    // 0.94-0.95; docs/perf-notes.md v15). Not with 128 sequences (8 heads
+    // lost 1%) nor with angles computed in the kernel (-1.2% to +1.3%).
+    if constexpr (SOURCE == TABLE) {
+      // Above this many sequences: a search of three steps (also
+      // cupy_rope/launch.py VARLEN_FEW_SEQS, above which angles computed in
+      // the kernel take 8 tokens a block).
+      constexpr int SEARCH_PREFETCH_MIN_SEQS = 1024;
+      if (p.n_seqs > SEARCH_PREFETCH_MIN_SEQS && block_thread_index() < search_lanes() && live &&
+          item < ROT_ITEMS) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {  // the heads and packets of the first pass
+          const int h = h_first + u * h_step;
+          if (h >= h_end) continue;
+          const T* xh = x + head_offset(sl.x, h, grouped, per_group);
+#pragma unroll
+          for (int q = 0; q < PACKETS; ++q)
+            asm volatile("prefetch.global.L1 [%0];" ::"l"(xh + ch[q] * xd));
+        }
+      }
+    }
+#endif
     find_block_sequences(p, first, min(first + block_tokens, n_tokens) - 1, block_tokens,
                          seq_of_lane);  // the first search_lanes() threads
     signal_fire(seq_ready);

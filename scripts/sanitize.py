@@ -245,10 +245,11 @@ def varlen_and_context_parallel():
     n = 0
     cos, sin = tables(64, 400)
     for dtype in ("float16", "bfloat16"):
-        # The last: more sequence starts in a block than a warp has lanes
+        # The last two: more sequence starts in a block than a warp has lanes
         # (the per-lane search of kernels/positions.cuh).
-        for lengths in ([0, 5, 0, 17, 1, 0, 40], [64], [0], [3] * 50,
-                        [2] + [0] * 40 + [1] * 20 + [0] * 70 + [5] + [1] * 40):
+        for lengths in ([0, 5, 0, 17, 1, 0, 40], [64], [0], [3] * 50, [1] * 2500,
+                        [2] + [0] * 40 + [1] * 20 + [0] * 70 + [5] + [1] * 40,
+                        [2] + [0] * 200 + [3] + [1] * 40):
             cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
             t = int(cu[-1])
             x = normal((t, 5, 64), dtype)

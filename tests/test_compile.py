@@ -80,6 +80,28 @@ def test_varlen_sequence_signal_compiles_on_each_path(arch, waits, absent):
     assert ptx.count("bar.sync") >= entries  # init barrier, or the barrier after the search
 
 
+def test_varlen_prefetch_threshold_matches_the_launcher():
+    """kernels/rope.cu prefetches for searches of three steps, the sequence
+    count above which the launcher gives computed angles 8 tokens a block."""
+    text = (specialize.KERNEL_DIR / "rope.cu").read_text()
+    seqs = int(re.search(r"SEARCH_PREFETCH_MIN_SEQS = (\d+);", text).group(1))
+    assert seqs == launch.VARLEN_FEW_SEQS
+
+
+def test_varlen_prefetch_only_with_tables():
+    """The searching warp's L1 prefetch (kernels/rope.cu) is compiled into
+    varlen kernels that read cos/sin tables, and into no other rope_kernel."""
+    specs = [s for s in launch.shipped_specs() if s.source_file == "rope.cu"
+             and s.head_dim == 128]
+    with_prefetch = [s for s in specs if s.pos_mode == "varlen" and s.source == "table"][:6]
+    without = ([s for s in specs if s.pos_mode == "varlen" and s.source != "table"][:6]
+               + [s for s in specs if s.pos_mode != "varlen"][:6])
+    assert len(with_prefetch) == 6 and len(without) == 12
+    ptx = _ptx(with_prefetch)
+    assert ptx.count("prefetch.global.L1") >= ptx.count(".entry ") == 6
+    assert "prefetch" not in _ptx(without)
+
+
 def test_compile_error_is_reported():
     bad = specialize.Spec("float32", "float32", 8, 6, False, "table", 4, 1, False, False, True,
                           4, "implied")  # 4 pairs do not divide 3

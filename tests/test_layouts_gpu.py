@@ -140,10 +140,11 @@ def test_thd_blocks_smaller_than_a_warp(rng, tokens, d):
 @pytest.mark.parametrize("h,d", [(1, 8), (4, 64), (32, 128)])
 def test_thd_many_sequence_starts_in_one_block(rng, h, d):
     """Blocks spanning more sequence starts than a warp has lanes (runs of
-    empty and one-token sequences) take the per-lane search; the others
-    the one-probe count. Both must give every token its own sequence."""
+    empty and one-token sequences, up to 200 in a row) take the per-lane
+    search; the others the one-probe count. Both must give every token its
+    own sequence."""
     runs = [3, *[0] * 40, *[1] * 20, *[0] * 70, 5, *[1] * 33, 0, 2, *[1] * 90, 0, 0, 17,
-            *[0] * 33, *[1] * 64, 7]
+            *[0] * 33, *[1] * 64, 7, *[0] * 200, 4]
     lengths = np.array(runs * 3)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     x = rng.standard_normal((int(cu[-1]), h, d)).astype(np.float32)
@@ -170,12 +171,16 @@ def test_thd_device_cu_seqlens_past_the_tokens_give_nan(rng):
     assert not np.isnan(y[:7]).any() and np.isnan(y[7:]).all()
 
 
-@pytest.mark.parametrize("cu", [[3, 3, 8], [3] * 34 + [8], [3] * 34 + [11], [0]],
-                         ids=["probe", "search", "search-long", "no-sequences"])
+@pytest.mark.parametrize("cu", [[3, 3, 8], [3] * 34 + [8], [3] * 34 + [11], [3] * 300 + [8],
+                                [3] * 300 + [11], [0]],
+                         ids=["probe", "search", "search-long", "search-300", "search-300-long",
+                              "no-sequences"])
 def test_thd_device_cu_seqlens_starting_after_token_0(rng, cu):
     """Device cu_seqlens with cu_seqlens[0] > 0 (the host refuses them): the
     tokens before it get NaN, the others their own positions, whether the
-    block counts the probed starts or searches (over 32 starts in a block)."""
+    block counts the probed starts or searches (over 32 starts in a block;
+    with 300, the first search step finds no start <= the block's first
+    token)."""
     t = max(cu[-1], 5)
     x = rng.standard_normal((t, 1, 16)).astype(np.float32)
     inv = inv_freq_for(rng, 16)
