@@ -53,6 +53,14 @@ VARLEN_MIN_TOKENS = 4
 # SEARCH_PREFETCH_MIN_SEQS, the same number.)
 VARLEN_FEW_SEQS = 1024
 VARLEN_COMPUTED_MIN_TOKENS = 8
+# Varlen blocks hold their minimum of tokens and no more (at least
+# SMALL_BLOCK_THREADS threads): a block of few heads no longer fills 256
+# threads with further tokens. More, smaller blocks per SM, each with its own
+# search (thd 2401 sequences, bf16, of copy on the H100: d64 / d80 / d96
+# tables 0.964 / 0.940 / 0.951 -> 0.979 / 0.955 / 0.970, 8 heads inv_freq
+# 0.885 -> 0.955; 32 heads of 128 fill 256 threads with 4 tokens as before;
+# docs/perf-notes.md v15). 0: fill 256 threads.
+VARLEN_SMALL_BLOCKS = 1
 # packet_kernel (kernels/packet.cu) for full rotary on 16-byte aligned views
 # with a unit channel stride: two 16-byte packets per thread (GPT-J fp32:
 # one), a short prologue.
@@ -317,7 +325,9 @@ def block_shape(items: int, slab_heads: tuple, tokens: int, unroll: int, sm_coun
     once. With few tokens (decode) a slab's heads are split into groups so
     that the grid still covers every SM several times. ``min_tokens`` > 1
     (varlen: each block searches cu_seqlens once): at least that many token
-    lanes per block where the heads allow, head lanes rounded down.
+    lanes per block where the heads allow, head lanes rounded down, and
+    (``VARLEN_SMALL_BLOCKS``) no more threads than those tokens need, but
+    ``SMALL_BLOCK_THREADS``.
 
     Returns (grid, block, slabs) with slabs[k] = (block_begin, token_blocks,
     head_lanes, heads_per_block).
@@ -334,9 +344,9 @@ def block_shape(items: int, slab_heads: tuple, tokens: int, unroll: int, sm_coun
     if min_tokens > 1:  # e.g. varlen: amortize the per-block sequence search
         by = min(by, _pow2_floor(THREADS_PER_BLOCK // (items * min_tokens)))
     threads = THREADS_PER_BLOCK
-    if SMALL_BLOCK_THREADS and -(-heads // by) < unroll:
-        # Less than one full pass of heads per thread: smaller blocks, more of them per SM
-        # (still min_tokens token lanes).
+    if SMALL_BLOCK_THREADS and (-(-heads // by) < unroll or (VARLEN_SMALL_BLOCKS and min_tokens > 1)):
+        # Less than one full pass of heads per thread, or varlen: smaller blocks, more of
+        # them per SM (still min_tokens token lanes).
         threads = min(THREADS_PER_BLOCK, max(SMALL_BLOCK_THREADS, items * by * min_tokens))
     bz = max(1, min(threads // (items * by), MAX_BLOCK_Z))
     bz = min(bz, max(1, tokens))

@@ -573,7 +573,7 @@ if __name__ == "__main__":
                                                     "FLAT_KERNELS", "FLAT_PARTNER_LOAD_ALWAYS",
                                                     "FLAT_MAX_IDLE_LANES",
                                                     "VARLEN_FEW_SEQS", "VARLEN_MIN_TOKENS",
-                                                    "VARLEN_COMPUTED_MIN_TOKENS",
+                                                    "VARLEN_COMPUTED_MIN_TOKENS", "VARLEN_SMALL_BLOCKS",
                                                     "COMPUTED_ANGLES_HEADS",
                                                     "EXPLICIT_PACKET_ROWS")}
         for spec in sys.argv[sys.argv.index("--variants") + 1:]:

@@ -191,6 +191,22 @@ def test_varlen_tokens_per_block_follow_the_search_depth_and_angle_source():
     assert launch.VARLEN_COMPUTED_MIN_TOKENS > launch.VARLEN_MIN_TOKENS
 
 
+@pytest.mark.parametrize("items, heads, min_tokens, block", [
+    (8, 32, 4, (8, 8, 4)),   # thd [T, 32, 128] bf16 tables: 4 tokens fill 256 threads
+    (8, 32, 8, (8, 4, 8)),   # inv_freq, many sequences: 8 tokens, 2 passes of 4 heads
+    (4, 32, 4, (4, 8, 4)),   # d64: 128 threads of 4 tokens, not 256 of 8
+    (8, 8, 4, (8, 2, 8)),    # 8 heads: 128 threads (the floor) of 8 tokens, not 256 of 16
+    (8, 8, 8, (8, 2, 8)),
+    (5, 24, 4, (5, 4, 6)),   # d80: 4 lanes of 6 heads, 6 tokens on 120 threads
+    (6, 24, 8, (6, 4, 8)),   # d96 inv_freq: 192 threads
+])
+def test_varlen_blocks_hold_their_minimum_tokens_and_no_more(items, heads, min_tokens, block):
+    grid, got, slabs = launch.block_shape(items, (heads,), 65536, 4, 132, min_tokens)
+    assert got == block
+    tokens = block[2] * (block[1] // slabs[0][2])
+    assert grid[0] == -(-65536 // tokens) and tokens >= min_tokens
+
+
 def test_too_many_heads_is_refused_before_launch():
     from cupy_rope.interop import CUDA, Tensor
     from cupy_rope.validate import check_call
