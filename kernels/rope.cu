@@ -35,7 +35,7 @@ namespace rope {
 #endif
 // Register budget: this many full blocks resident per SM.
 constexpr int MIN_BLOCKS_PER_SM = ROPE_MIN_BLOCKS_PER_SM;
-#ifndef ROPE_SEARCH_PREFETCH  // scripts/quick_perf.py times 0 (off)
+#ifndef ROPE_SEARCH_PREFETCH  // 0: off (scripts/quick_perf.py --variants NAME:D=ROPE_SEARCH_PREFETCH=0)
 #define ROPE_SEARCH_PREFETCH 1
 #endif
 constexpr int MAX_THREADS = 256;  // threads per block (cupy_rope/launch.py THREADS_PER_BLOCK)
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
     signal_init(seq_ready);
 #if ROPE_SEARCH_PREFETCH
     // The searching warp's own loads wait for the search. With many
-    // sequences (a search of three steps, whose reads miss L1) it first asks
+    // sequences (a search of three steps, whose later reads miss L1) it first asks
     // for its first pass's packets, into L1, so that those loads do not then
     // wait for DRAM as well (thd [65536, 32, 128] bf16, 2401 sequences, of
     // copy on the H100: 0.980-0.986 -> 0.993-0.996; 8 heads 0.92-0.93 ->

@@ -247,6 +247,8 @@ def varlen_and_context_parallel():
     for dtype in ("float16", "bfloat16"):
         # The last two: more sequence starts in a block than a warp has lanes
         # (the per-lane search of kernels/positions.cuh).
+        # [1] * 2500: more than 1024 sequences, where the searching warp
+        # prefetches (kernels/rope.cu) with tables.
         for lengths in ([0, 5, 0, 17, 1, 0, 40], [64], [0], [3] * 50, [1] * 2500,
                         [2] + [0] * 40 + [1] * 20 + [0] * 70 + [5] + [1] * 40,
                         [2] + [0] * 200 + [3] + [1] * 40):

@@ -137,12 +137,14 @@ def test_thd_blocks_smaller_than_a_warp(rng, tokens, d):
                  "float32")
 
 
+@pytest.mark.parametrize("source", ["inv_freq", "table"])
 @pytest.mark.parametrize("h,d", [(1, 8), (4, 64), (32, 128)])
-def test_thd_many_sequence_starts_in_one_block(rng, h, d):
+def test_thd_many_sequence_starts_in_one_block(rng, h, d, source):
     """Blocks spanning more sequence starts than a warp has lanes (runs of
     empty and one-token sequences, up to 200 in a row) take the per-lane
     search; the others the one-probe count. Both must give every token its
-    own sequence."""
+    own sequence. (1677 sequences: with tables the searching warp also
+    prefetches, kernels/rope.cu.)"""
     runs = [3, *[0] * 40, *[1] * 20, *[0] * 70, 5, *[1] * 33, 0, 2, *[1] * 90, 0, 0, 17,
             *[0] * 33, *[1] * 64, 7, *[0] * 200, 4]
     lengths = np.array(runs * 3)
@@ -155,10 +157,10 @@ def test_thd_many_sequence_starts_in_one_block(rng, h, d):
     for with_offsets in (False, True):
         kw = {"offsets": to_device(offsets)} if with_offsets else {}
         out = full_nan(x.shape, "float32")
-        cupy_rope.apply_rope(to_device(x), inv_freq=to_device(inv_freq), layout="thd",
-                             cu_seqlens=to_device(cu), out=out, **kw)
         p = pos_off if with_offsets else pos
-        assert_close(to_host(out), expected(x[None], p[None], inv_freq, d, False, False)[0],
+        cupy_rope.apply_rope(to_device(x), layout="thd", cu_seqlens=to_device(cu), out=out,
+                             **angle_kw(source, inv_freq, int(p.max()) + 1), **kw)
+        assert_close(to_host(out), expected(x[None], p[None], inv_freq, d, False, False, source)[0],
                      "float32", f"offsets={with_offsets}")
 
 
@@ -179,8 +181,8 @@ def test_thd_device_cu_seqlens_starting_after_token_0(rng, cu):
     """Device cu_seqlens with cu_seqlens[0] > 0 (the host refuses them): the
     tokens before it get NaN, the others their own positions, whether the
     block counts the probed starts or searches (over 32 starts in a block;
-    with 300, the first search step finds no start <= the block's first
-    token)."""
+    with 300 equal starts the search for the block's last sequence takes
+    several steps)."""
     t = max(cu[-1], 5)
     x = rng.standard_normal((t, 1, 16)).astype(np.float32)
     inv = inv_freq_for(rng, 16)
