@@ -85,6 +85,11 @@ __device__ __forceinline__ int block_thread_index() {
   return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
 }
 
+// Is this thread one of the search_lanes()?
+__device__ __forceinline__ bool is_search_lane() {
+  return block_thread_index() < search_lanes();
+}
+
 // VARLEN: the block's token sequences (find_block_sequences, below) are
 // published by the lanes that search and read by every thread once it needs
 // its position. On sm_80 and newer the signal is an mbarrier in shared
@@ -117,7 +122,7 @@ __device__ __forceinline__ void signal_init(SequenceSignal& sig) {
 // lane arrives (after its own writes).
 __device__ __forceinline__ void signal_fire(SequenceSignal& sig) {
 #if __CUDA_ARCH__ >= 800
-  if (block_thread_index() < search_lanes())
+  if (is_search_lane())
     asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared.b64 state, [%0];\n}" ::"r"(
                      shared_address(&sig.barrier))
                  : "memory");

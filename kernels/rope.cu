@@ -133,8 +133,7 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
       // cupy_rope/launch.py VARLEN_FEW_SEQS, above which angles computed in
       // the kernel take 8 tokens a block).
       constexpr int SEARCH_PREFETCH_MIN_SEQS = 1024;
-      if (p.n_seqs > SEARCH_PREFETCH_MIN_SEQS && block_thread_index() < search_lanes() && live &&
-          item < ROT_ITEMS) {
+      if (p.n_seqs > SEARCH_PREFETCH_MIN_SEQS && is_search_lane() && live && item < ROT_ITEMS) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {  // the heads and packets of the first pass
           const int h = h_first + u * h_step;
