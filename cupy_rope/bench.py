@@ -52,6 +52,12 @@ CHECK_TOLERANCE = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 1e-4}
 HOST_CALLS = 2000
 #: Timed passes of HOST_CALLS calls each; the median pass is reported (and the range).
 HOST_REPEATS = 5
+#: Each host timing first calls for at least this long (seconds), so that
+#: the passes see the host's steady state: right after the GPU workloads the
+#: bare launch's passes fell from 8.4 to 4.3 us over the first 0.1 s while
+#: the same launch timed a moment later held 3.1 us (run 2026-11-24,
+#: docs/perf-notes.md v16).
+HOST_WARMUP_S = 0.5
 GRAPH_CALLS = 100
 NO_TORCH = "torch not available"
 
@@ -804,14 +810,20 @@ def run(workloads=None, *, peers="all", reps=30, n_sets=3, warmup=5, check=True,
 # Host cost of a cached call.
 
 
-def _time_host(out, name, fn, calls, label=None, repeats=None):
-    """Time ``fn`` on the host: a warm-up, then ``repeats`` passes of ``calls``
-    calls with one synchronization each; out[name + "_us_per_call"] is the
-    median pass, out[name + "_us_per_call_runs"] every pass."""
+def _time_host(out, name, fn, calls, label=None, repeats=None, warmup_s=None):
+    """Time ``fn`` on the host: a warm-up (at least ``calls / 10`` calls and
+    ``warmup_s`` seconds, default HOST_WARMUP_S), then ``repeats`` passes of
+    ``calls`` calls with one synchronization each; out[name +
+    "_us_per_call"] is the median pass, out[name + "_us_per_call_runs"]
+    every pass."""
     repeats = repeats or HOST_REPEATS
-    for _ in range(max(50, calls // 10)):
-        fn()
-    _sync()
+    warmup_s = HOST_WARMUP_S if warmup_s is None else warmup_s
+    t0, n = time.perf_counter(), 0
+    while n < max(50, calls // 10) or time.perf_counter() - t0 < warmup_s:
+        for _ in range(50):
+            fn()
+        n += 50
+        _sync()
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()

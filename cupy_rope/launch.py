@@ -48,11 +48,18 @@ SMALL_BLOCK_THREADS = 128
 # tokens 0.948, 8 tokens 0.973 (docs/perf-notes.md, v14).
 VARLEN_MIN_TOKENS = 4
 # Angles computed in the kernel (inv_freq, freqs) for more than
-# VARLEN_FEW_SEQS sequences (three search steps): 8 tokens. (Above it, with
-# tables, the searching warp also prefetches its first loads: kernels/rope.cu
-# SEARCH_PREFETCH_MIN_SEQS, the same number.)
+# VARLEN_FEW_SEQS sequences (three search steps): 8 tokens where 4 would
+# leave a thread fewer heads per computed angle than 8 do and than two
+# passes (2 x UNROLL): NeoX [T, 32, 128], 4 heads against 8 (with 4 tokens
+# 0.971 -> 0.947 of copy, fp16 0.972 -> 0.938). Elsewhere 4, which changes
+# no thread's heads (d64: 4 heads either way, 0.916 -> 0.975) or keeps two
+# passes (GPT-J d128: 8 heads of 16, 0.966 -> 0.982); docs/perf-notes.md v15,
+# v16. (Above VARLEN_FEW_SEQS, with tables, the searching warp also
+# prefetches its first loads: kernels/rope.cu SEARCH_PREFETCH_MIN_SEQS, the
+# same number.) VARLEN_COMPUTED_FEW_TOKENS 0: always 8.
 VARLEN_FEW_SEQS = 1024
 VARLEN_COMPUTED_MIN_TOKENS = 8
+VARLEN_COMPUTED_FEW_TOKENS = 1
 # Varlen blocks hold their minimum of tokens and no more (at least
 # SMALL_BLOCK_THREADS threads): a block of few heads no longer fills 256
 # threads with further tokens. More, smaller blocks per SM, each with its own
@@ -461,10 +468,29 @@ def reciprocal(d: int):
     return (1 << shift) // d + 1, shift
 
 
-def _varlen_min_tokens(n_seqs: int, source: str) -> int:
-    if source != "table" and n_seqs > VARLEN_FEW_SEQS:
-        return VARLEN_COMPUTED_MIN_TOKENS
-    return VARLEN_MIN_TOKENS
+def _heads_per_thread(shape) -> list:
+    """Heads each thread of a :func:`block_shape` walks, per slab (a slab's
+    heads over its head lanes)."""
+    _, _, slabs = shape
+    return [-(-heads_per_block // lanes) for _, _, lanes, heads_per_block in slabs]
+
+
+def varlen_block_shape(items: int, slab_heads: tuple, tokens: int, unroll: int,
+                       sm_count: int, n_seqs: int, source: str):
+    """:func:`block_shape` for a call with cu_seqlens: VARLEN_MIN_TOKENS
+    tokens a block, or, with angles computed in the kernel and more than
+    VARLEN_FEW_SEQS sequences, VARLEN_COMPUTED_MIN_TOKENS where the fewer
+    tokens would cut a thread's heads (its angles serve them all) below
+    both what the more tokens give it and two passes."""
+    few = block_shape(items, slab_heads, tokens, unroll, sm_count, VARLEN_MIN_TOKENS)
+    if source == "table" or n_seqs <= VARLEN_FEW_SEQS:
+        return few
+    many = block_shape(items, slab_heads, tokens, unroll, sm_count, VARLEN_COMPUTED_MIN_TOKENS)
+    if VARLEN_COMPUTED_FEW_TOKENS and all(
+            a >= min(b, 2 * unroll)
+            for a, b in zip(_heads_per_thread(few), _heads_per_thread(many))):
+        return few
+    return many
 
 
 # ---------------------------------------------------------------- params --
@@ -576,11 +602,14 @@ class Plan:
         self.spec = spec = choose_spec(call)
         heads = tuple(s.heads for s in call.slabs)
         flat = None
-        if spec.mapping == "heads":
+        if spec.mapping == "heads" and call.pos_mode == VARLEN:
+            self.grid, self.block, slab_blocks = varlen_block_shape(
+                spec.rot_items + spec.tail_items, heads, call.tokens, spec.unroll,
+                _sm_count(self.device_id), call.n_seqs, call.source)
+        elif spec.mapping == "heads":
             self.grid, self.block, slab_blocks = block_shape(
                 spec.rot_items + spec.tail_items, heads, call.tokens, spec.unroll,
-                _sm_count(self.device_id),
-                _varlen_min_tokens(call.n_seqs, call.source) if call.pos_mode == VARLEN else 1)
+                _sm_count(self.device_id))
         elif spec.mapping == "flat":
             flat = flat_geometry(call)
             self.grid, self.block, slab_blocks = flat_shape(

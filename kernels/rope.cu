@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
     if constexpr (SOURCE == TABLE) {
       // Above this many sequences: a search of three steps (also
       // cupy_rope/launch.py VARLEN_FEW_SEQS, above which angles computed in
-      // the kernel take 8 tokens a block).
+      // the kernel may take 8 tokens a block: varlen_block_shape).
       constexpr int SEARCH_PREFETCH_MIN_SEQS = 1024;
       if (p.n_seqs > SEARCH_PREFETCH_MIN_SEQS && is_search_lane() && live && item < ROT_ITEMS) {
 #pragma unroll

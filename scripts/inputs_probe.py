@@ -61,6 +61,22 @@ def workload_inputs(w, env, comp):
     return ctx, sets, t_copy, ([p.make_args(s) for s in sets], p.call[False])
 
 
+def each_workload(names, run):
+    """``run(workload, copy time ms, (torch.compile's argument sets, its
+    forward call), cupy-rope's Prepared, its argument sets)`` for each named
+    benchmark workload, on the benchmark's own inputs; each workload's
+    arrays are freed before the next one's are made."""
+    env = bench._Env()
+    comp = peers.TorchCompile()
+    for w in bench.select_workloads(names):
+        ctx, sets, t_copy, compiled = workload_inputs(w, env, comp)
+        ours = bench.prepare_ours(w, ctx, env)
+        run(w, t_copy, compiled, ours, [ours.make_args(s) for s in sets])
+        del ctx, sets, compiled, ours
+        env.sync()
+        env.free()
+
+
 def main():
     make = table_impls if "--tables" in sys.argv else output_impls
     names = [a for a in sys.argv[1:] if not a.startswith("--")]

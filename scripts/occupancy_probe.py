@@ -11,8 +11,8 @@ import sys
 
 from cupy.cuda import driver
 
-from cupy_rope import api, bench, peers
-from inputs_probe import workload_inputs
+from cupy_rope import api, bench
+from inputs_probe import each_workload
 
 orig = driver.launchKernel
 SHMEM = [0]
@@ -25,12 +25,10 @@ def launch(kernel, gx, gy, gz, bx, by, bz, shmem, stream, args, extra):
 driver.launchKernel = launch
 names = sys.argv[1].split(",")
 sizes = [int(v) for v in sys.argv[2].split(",")]
-env = bench._Env()
-comp = peers.TorchCompile()
-for w in bench.select_workloads(names):
-    ctx, sets, t_copy, (args_c, compiled) = workload_inputs(w, env, comp)
-    ours = bench.prepare_ours(w, ctx, env)
-    args_o = [ours.make_args(s) for s in sets]
+
+
+def measure(w, t_copy, comp, ours, args_o):
+    args_c, compiled = comp
     res = []
     for size in sizes:
         api._plans.clear()
@@ -55,6 +53,6 @@ for w in bench.select_workloads(names):
           + f" | compile {' '.join(f'{t * 1e3:.1f}' for t in tc)} ({t_copy / min(tc):.3f})",
           flush=True)
     SHMEM[0] = 0
-    del sets, args_o, args_c
-    env.sync()
-    env.free()
+
+
+each_workload(names, measure)

@@ -244,9 +244,13 @@ def small_probe():
 def dims_sweep():
     """Every head_dim the card names, NeoX and GPT-J, bf16 (and fp16 / fp32 at
     d128), out of place and in place, on bshd [4, 4096, h, d] with h * d = 4096
-    (134 MB each way in bf16), against a same-run copy."""
-    for dtype, d in [("bfloat16", d) for d in (64, 80, 96, 128, 256)] + [("float16", 128),
-                                                                           ("float32", 128)]:
+    (134 MB each way in bf16), against a same-run copy. --dims-fp32: every
+    head_dim in fp32 instead."""
+    cases = [("bfloat16", d) for d in (64, 80, 96, 128, 256)] + [("float16", 128),
+                                                                   ("float32", 128)]
+    if "--dims-fp32" in sys.argv:
+        cases = [("float32", d) for d in (64, 80, 96, 128, 256)]
+    for dtype, d in cases:
         dt = bf16() if dtype == "bfloat16" else cupy.dtype(dtype)
         h = 4096 // d
         inv = cupy.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), dtype=cupy.float32)
@@ -564,8 +568,10 @@ def main(host=True):
 
 if __name__ == "__main__":
     if "--variants" in sys.argv:
-        # Launch-policy variants: NAME:ATTR=VALUE,ATTR=VALUE (cupy_rope.launch attributes),
-        # e.g. base: up:LANES_ROUND_UP=1 small:SMALL_BLOCK_THREADS=128
+        # Launch-policy variants: NAME:ATTR=VALUE,ATTR=VALUE (cupy_rope.launch attributes,
+        # ATTR[KEY]=VALUE for a dict's entry), e.g. base: up:LANES_ROUND_UP=1
+        # small:SMALL_BLOCK_THREADS=128 (FLAT_PER_THREAD and FLAT_CARVEOUT: with
+        # results/h100-2026-11-24/flat-per-thread.patch applied)
         from cupy_rope import launch
         defaults = {a: getattr(launch, a) for a in ("LANES_ROUND_UP", "SMALL_BLOCK_THREADS",
                                                     "THREADS_PER_BLOCK", "MAX_HEAD_LANES",
@@ -573,9 +579,12 @@ if __name__ == "__main__":
                                                     "FLAT_KERNELS", "FLAT_PARTNER_LOAD_ALWAYS",
                                                     "FLAT_MAX_IDLE_LANES",
                                                     "VARLEN_FEW_SEQS", "VARLEN_MIN_TOKENS",
-                                                    "VARLEN_COMPUTED_MIN_TOKENS", "VARLEN_SMALL_BLOCKS",
+                                                    "VARLEN_COMPUTED_MIN_TOKENS", "VARLEN_COMPUTED_FEW_TOKENS",
+                                                    "VARLEN_SMALL_BLOCKS",
                                                     "COMPUTED_ANGLES_HEADS",
-                                                    "EXPLICIT_PACKET_ROWS")}
+                                                    "EXPLICIT_PACKET_ROWS", "FLAT_PER_THREAD",
+                                                    "FLAT_CARVEOUT") if hasattr(launch, a)}
+        defaults = {a: dict(v) if isinstance(v, dict) else v for a, v in defaults.items()}
         for spec in sys.argv[sys.argv.index("--variants") + 1:]:
             name, _, rest = spec.partition(":")
             settings = dict(kv.partition("=")[::2] for kv in filter(None, rest.split(",")))
@@ -585,9 +594,13 @@ if __name__ == "__main__":
                     lanes=defaults["MAX_HEAD_LANES"],
                     defines=tuple(filter(None, settings.pop("D", "").split("+"))))
             for a, v in defaults.items():
-                setattr(launch, a, v)
+                setattr(launch, a, dict(v) if isinstance(v, dict) else v)
             for a, v in settings.items():
-                setattr(launch, a, int(v))
+                if "[" in a:  # DICT[KEY]=VALUE
+                    a, key = a.rstrip("]").split("[")
+                    getattr(launch, a)[int(key)] = int(v)
+                else:
+                    setattr(launch, a, int(v))
             print(f"== {name}: {rest or 'defaults'}", flush=True)
             main(host=False)
     elif "--sweep" in sys.argv:

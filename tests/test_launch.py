@@ -180,15 +180,46 @@ def test_bound_launcher_empty_plan_launches_nothing(driver_calls):
     assert not calls and not general
 
 
-def test_varlen_tokens_per_block_follow_the_search_depth_and_angle_source():
-    many = launch.VARLEN_FEW_SEQS + 1
-    for n in (1, launch.VARLEN_FEW_SEQS, many):
-        assert launch._varlen_min_tokens(n, "table") == launch.VARLEN_MIN_TOKENS
+@pytest.mark.parametrize("items, heads, computed_tokens", [
+    (8, (32,), 8),      # NeoX [T, 32, 128]: 4 tokens would give 4 heads a thread, 8 give 8
+    (8, (32, 8), 8),    # q32 / k8 in one call: the q slab decides
+    (16, (32,), 4),     # GPT-J d128: 8 heads (two passes) with 4 tokens, 16 with 8
+    (4, (32,), 4),      # d64 NeoX: 4 heads a thread either way
+    (5, (24,), 4),      # d80: 6 heads either way
+    (6, (24,), 4),      # d96
+    (8, (8,), 4),       # 8 heads: the same block with either
+])
+def test_varlen_tokens_per_block_follow_the_search_depth_and_angle_source(
+        items, heads, computed_tokens):
+    """4 tokens a varlen block, but with angles computed in the kernel and
+    more than VARLEN_FEW_SEQS sequences 8 where 4 would leave a thread
+    fewer heads per computed angle than 8 do and than two passes
+    (launch.VARLEN_COMPUTED_MIN_TOKENS; measured in docs/perf-notes.md v16)."""
+    few_seqs, many = launch.VARLEN_FEW_SEQS, launch.VARLEN_FEW_SEQS + 1
+    shape = lambda n, source: launch.varlen_block_shape(  # noqa: E731
+        items, heads, 65536, launch.UNROLL, 132, n, source)
+    four = launch.block_shape(items, heads, 65536, launch.UNROLL, 132, launch.VARLEN_MIN_TOKENS)
+    eight = launch.block_shape(items, heads, 65536, launch.UNROLL, 132,
+                               launch.VARLEN_COMPUTED_MIN_TOKENS)
+    for n in (1, few_seqs, many):
+        assert shape(n, "table") == four
     for source in ("inv_freq", "angle_table"):
-        assert launch._varlen_min_tokens(1, source) == launch.VARLEN_MIN_TOKENS
-        assert launch._varlen_min_tokens(launch.VARLEN_FEW_SEQS, source) == launch.VARLEN_MIN_TOKENS
-        assert launch._varlen_min_tokens(many, source) == launch.VARLEN_COMPUTED_MIN_TOKENS
+        assert shape(1, source) == four and shape(few_seqs, source) == four
+        assert shape(many, source) == (four if computed_tokens == 4 else eight)
     assert launch.VARLEN_COMPUTED_MIN_TOKENS > launch.VARLEN_MIN_TOKENS
+    if computed_tokens == 8:  # the rule's reason: the fewer tokens halve a thread's heads
+        assert launch._heads_per_thread(four)[0] < min(launch._heads_per_thread(eight)[0],
+                                                       2 * launch.UNROLL)
+
+
+def test_varlen_computed_few_tokens_switch(monkeypatch):
+    """VARLEN_COMPUTED_FEW_TOKENS = 0 gives every computed-angle call with
+    many sequences 8 tokens (the policy before the rule, for probes)."""
+    monkeypatch.setattr(launch, "VARLEN_COMPUTED_FEW_TOKENS", 0)
+    eight = launch.block_shape(4, (32,), 65536, launch.UNROLL, 132,
+                               launch.VARLEN_COMPUTED_MIN_TOKENS)
+    assert launch.varlen_block_shape(4, (32,), 65536, launch.UNROLL, 132,
+                                     launch.VARLEN_FEW_SEQS + 1, "inv_freq") == eight
 
 
 @pytest.mark.parametrize("items, heads, min_tokens, block", [

@@ -1,0 +1,69 @@
+"""Launch-policy variants on the benchmark's own inputs, alternating, with
+torch.compile in the same process (GPU machine):
+
+    PYTHONPATH=. python scripts/variant_probe.py WORKLOADS REPS VARIANT [VARIANT ...]
+
+WORKLOADS: comma-separated cupy_rope.bench names; REPS: rounds (each round
+times every variant, forward and backward, then torch.compile once);
+VARIANT: NAME:ATTR=VALUE,... with cupy_rope.launch attributes (ATTR[KEY]=VALUE
+sets a dict's entry; FLAT_PER_THREAD and FLAT_CARVEOUT exist with
+results/h100-2026-11-24/flat-per-thread.patch applied), e.g.
+p1:FLAT_PER_THREAD[2]=1. Prints, per workload,
+each variant's forward / backward times (us, every round) and the fraction
+of a same-run copy of its best round."""
+import sys
+
+from cupy_rope import api, bench, launch
+from inputs_probe import each_workload
+
+POLICY = ("FLAT_PER_THREAD", "FLAT_CARVEOUT", "FLAT_KERNELS", "FLAT_PARTNER_LOAD_ALWAYS",
+          "FLAT_MAX_IDLE_LANES", "PACKET_KERNELS")
+
+
+def parse(arg):
+    name, _, rest = arg.partition(":")
+    return name, [kv.partition("=")[::2] for kv in filter(None, rest.split(","))]
+
+
+def apply(settings, defaults):
+    for a, v in defaults.items():
+        setattr(launch, a, dict(v) if isinstance(v, dict) else v)
+    for a, v in settings:
+        if "[" in a:
+            a, key = a.rstrip("]").split("[")
+            getattr(launch, a)[int(key)] = int(v)
+        else:
+            setattr(launch, a, int(v))
+    api._plans.clear()
+
+
+def main():
+    names, reps = sys.argv[1], int(sys.argv[2])
+    variants = [parse(a) for a in sys.argv[3:]] or [("defaults", [])]
+    defaults = {a: (dict(v) if isinstance(v, dict) else v)
+                for a, v in ((a, getattr(launch, a)) for a in POLICY if hasattr(launch, a))}
+
+    def measure(w, t_copy, comp, ours, args):
+        args_c, compiled = comp
+        res = {n: ([], []) for n, _ in variants}
+        comp_t = []
+        for _ in range(reps):
+            for n, settings in variants:
+                apply(settings, defaults)
+                for b in (False, True):
+                    res[n][b].append(bench.time_call(ours.call[b], args, 30, 5)[0] * 1e3)
+            comp_t.append(bench.time_call(compiled, args_c, 30, 5)[0] * 1e3)
+        apply([], defaults)
+        t = t_copy * 1e3
+        parts = [f"{n} fwd {' '.join(f'{v:.1f}' for v in f)} ({t / min(f):.3f}) "
+                 f"bwd {' '.join(f'{v:.1f}' for v in bw)} ({t / min(bw):.3f})"
+                 for n, (f, bw) in res.items()]
+        print(f"{w.name:26s} copy {t:.1f} | " + " | ".join(parts)
+              + f" | compile {' '.join(f'{v:.1f}' for v in comp_t)} ({t / min(comp_t):.3f})",
+              flush=True)
+
+    each_workload(names, measure)
+
+
+if __name__ == "__main__":
+    main()
