@@ -56,7 +56,9 @@ VARLEN_MIN_TOKENS = 4
 # passes (GPT-J d128: 8 heads of 16, 0.966 -> 0.982); docs/perf-notes.md v15,
 # v16. (Above VARLEN_FEW_SEQS, with tables, the searching warp also
 # prefetches its first loads: kernels/rope.cu SEARCH_PREFETCH_MIN_SEQS, the
-# same number.) VARLEN_COMPUTED_FEW_TOKENS 0: always 8.
+# same number.) Measured with 65536 tokens; with few tokens, where
+# block_shape splits heads into groups, the comparison sees the groups.
+# VARLEN_COMPUTED_FEW_TOKENS 0: always 8.
 VARLEN_FEW_SEQS = 1024
 VARLEN_COMPUTED_MIN_TOKENS = 8
 VARLEN_COMPUTED_FEW_TOKENS = 1

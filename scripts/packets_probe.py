@@ -8,6 +8,10 @@ machine):
 
     PYTHONPATH=. python3 scripts/packets_probe.py
 
+VARIANTS is the list of the last committed run (results/h100-2026-11-24/
+flat-per-thread.txt, run 4); the earlier runs there used other lists (late
+tables, 3-4 packets, caps), named in their labels.
+
 Variants: name = dtype / packets per thread / blocks per SM asked of the
 compiler / tables read before (early) or after (late) the x loads return /
 resident blocks per SM capped by dynamic shared memory, = the resident
@@ -175,6 +179,7 @@ def main():
                 if v[0] != t:
                     continue
                 k = mod.get_function(nm)
+                driver.funcSetAttribute(k.kernel.ptr, 9, v[5])  # this variant's carveout first
                 resident = driver.occupancyMaxActiveBlocksPerMultiprocessor(k.kernel.ptr, 128, SMEM[v[4]])
                 res.setdefault(label(*v, resident), []).append(time_us(
                     lambda x, o, k=k, v=v: launch(k, v, n, (x, o, cos, sin, np.uint32(H),

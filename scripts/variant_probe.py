@@ -6,18 +6,20 @@ torch.compile in the same process (GPU machine):
 WORKLOADS: comma-separated cupy_rope.bench names; REPS: rounds (each round
 times every variant, forward and backward, then torch.compile once);
 VARIANT: NAME:ATTR=VALUE,... with cupy_rope.launch attributes (ATTR[KEY]=VALUE
-sets a dict's entry; FLAT_PER_THREAD and FLAT_CARVEOUT exist with
-results/h100-2026-11-24/flat-per-thread.patch applied), e.g.
-p1:FLAT_PER_THREAD[2]=1. Prints, per workload,
+sets a dict's entry; FLAT_CARVEOUT exists with
+results/h100-2026-11-24/flat-carveout.patch applied, FLAT_PER_THREAD with
+flat-per-thread.patch), e.g. c100:FLAT_CARVEOUT[4]=100. Every attribute any
+variant names is restored before each variant, and plans are remade (with
+flat-carveout.patch a plan sets flat_kernel's carveout, a function
+attribute, when it is made). Prints, per workload,
 each variant's forward / backward times (us, every round) and the fraction
 of a same-run copy of its best round."""
 import sys
 
+import copy
+
 from cupy_rope import api, bench, launch
 from inputs_probe import each_workload
-
-POLICY = ("FLAT_PER_THREAD", "FLAT_CARVEOUT", "FLAT_KERNELS", "FLAT_PARTNER_LOAD_ALWAYS",
-          "FLAT_MAX_IDLE_LANES", "PACKET_KERNELS")
 
 
 def parse(arg):
@@ -27,7 +29,7 @@ def parse(arg):
 
 def apply(settings, defaults):
     for a, v in defaults.items():
-        setattr(launch, a, dict(v) if isinstance(v, dict) else v)
+        setattr(launch, a, copy.copy(v))
     for a, v in settings:
         if "[" in a:
             a, key = a.rstrip("]").split("[")
@@ -40,8 +42,8 @@ def apply(settings, defaults):
 def main():
     names, reps = sys.argv[1], int(sys.argv[2])
     variants = [parse(a) for a in sys.argv[3:]] or [("defaults", [])]
-    defaults = {a: (dict(v) if isinstance(v, dict) else v)
-                for a, v in ((a, getattr(launch, a)) for a in POLICY if hasattr(launch, a))}
+    named = {a.split("[")[0] for _, settings in variants for a, _ in settings}
+    defaults = {a: copy.copy(getattr(launch, a)) for a in named}
 
     def measure(w, t_copy, comp, ours, args):
         args_c, compiled = comp

@@ -82,7 +82,8 @@ def test_varlen_sequence_signal_compiles_on_each_path(arch, waits, absent):
 
 def test_varlen_prefetch_threshold_matches_the_launcher():
     """kernels/rope.cu prefetches for searches of three steps, the sequence
-    count above which the launcher gives computed angles 8 tokens a block."""
+    count above which the launcher may give computed angles 8 tokens a block
+    (launch.varlen_block_shape)."""
     text = (specialize.KERNEL_DIR / "rope.cu").read_text()
     seqs = int(re.search(r"SEARCH_PREFETCH_MIN_SEQS = (\d+);", text).group(1))
     assert seqs == launch.VARLEN_FEW_SEQS
