@@ -810,16 +810,14 @@ def run(workloads=None, *, peers="all", reps=30, n_sets=3, warmup=5, check=True,
 # Host cost of a cached call.
 
 
-def _time_host(out, name, fn, calls, label=None, repeats=None, warmup_s=None):
+def _time_host(out, name, fn, calls, label=None, repeats=None):
     """Time ``fn`` on the host: a warm-up (at least ``calls / 10`` calls and
-    ``warmup_s`` seconds, default HOST_WARMUP_S), then ``repeats`` passes of
-    ``calls`` calls with one synchronization each; out[name +
-    "_us_per_call"] is the median pass, out[name + "_us_per_call_runs"]
-    every pass."""
+    HOST_WARMUP_S seconds), then ``repeats`` passes of ``calls`` calls with
+    one synchronization each; out[name + "_us_per_call"] is the median pass,
+    out[name + "_us_per_call_runs"] every pass."""
     repeats = repeats or HOST_REPEATS
-    warmup_s = HOST_WARMUP_S if warmup_s is None else warmup_s
     t0, n = time.perf_counter(), 0
-    while n < max(50, calls // 10) or time.perf_counter() - t0 < warmup_s:
+    while n < max(50, calls // 10) or time.perf_counter() - t0 < HOST_WARMUP_S:
         for _ in range(50):
             fn()
         n += 50

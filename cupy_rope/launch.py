@@ -604,14 +604,12 @@ class Plan:
         self.spec = spec = choose_spec(call)
         heads = tuple(s.heads for s in call.slabs)
         flat = None
-        if spec.mapping == "heads" and call.pos_mode == VARLEN:
-            self.grid, self.block, slab_blocks = varlen_block_shape(
-                spec.rot_items + spec.tail_items, heads, call.tokens, spec.unroll,
-                _sm_count(self.device_id), call.n_seqs, call.source)
-        elif spec.mapping == "heads":
-            self.grid, self.block, slab_blocks = block_shape(
-                spec.rot_items + spec.tail_items, heads, call.tokens, spec.unroll,
-                _sm_count(self.device_id))
+        if spec.mapping == "heads":
+            shape = (spec.rot_items + spec.tail_items, heads, call.tokens, spec.unroll,
+                     _sm_count(self.device_id))
+            self.grid, self.block, slab_blocks = (
+                varlen_block_shape(*shape, call.n_seqs, call.source)
+                if call.pos_mode == VARLEN else block_shape(*shape))
         elif spec.mapping == "flat":
             flat = flat_geometry(call)
             self.grid, self.block, slab_blocks = flat_shape(

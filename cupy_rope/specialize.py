@@ -207,6 +207,31 @@ def get_kernel(spec: Spec, device_id: int):
         return function
 
 
+def _nvrtc_compile(specs, arch: str, read):
+    """Compile ``specs`` (one source file) with NVRTC for ``arch`` (``sm_XX``:
+    a cubin, ``compute_XX``: PTX) and return ``read(nvrtc, prog)``; raises
+    :class:`CompileError` with NVRTC's log on failure."""
+    try:
+        from cupy.cuda import nvrtc
+    except Exception as exc:  # pragma: no cover - depends on the install
+        raise _nvrtc_help(exc) from exc
+    source_file = specs[0].source_file if specs else "rope.cu"
+    try:
+        prog = nvrtc.createProgram(kernel_source(source_file), source_file, [], [])
+    except Exception as exc:
+        raise _nvrtc_help(exc) from exc
+    try:
+        for s in specs:
+            nvrtc.addNameExpression(prog, s.name_expression())
+        try:
+            nvrtc.compileProgram(prog, list(NVRTC_OPTIONS) + [f"-arch={arch}"])
+        except nvrtc.NVRTCError as exc:
+            raise CompileError(f"{exc}\n{nvrtc.getProgramLog(prog)}") from exc
+        return read(nvrtc, prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def compile_for_arch(specs, arch: str = "sm_90") -> dict:
     """Compile ``specs`` with NVRTC for ``arch`` without a GPU.
 
@@ -215,35 +240,30 @@ def compile_for_arch(specs, arch: str = "sm_90") -> dict:
     check every shipped specialization; the runtime path compiles through
     CuPy with the same source and options.
     """
-    try:
-        from cupy.cuda import nvrtc
-    except Exception as exc:  # pragma: no cover - depends on the install
-        raise _nvrtc_help(exc) from exc
     files = sorted({s.source_file for s in specs}) or ["rope.cu"]
     if len(files) > 1:  # one NVRTC program per source file
         out = {}
         for f in files:
             out.update(compile_for_arch([s for s in specs if s.source_file == f], arch))
         return out
-    names = [s.name_expression() for s in specs]
-    try:
-        prog = nvrtc.createProgram(kernel_source(files[0]), files[0], [], [])
-    except Exception as exc:
-        raise _nvrtc_help(exc) from exc
-    try:
-        for n in names:
-            nvrtc.addNameExpression(prog, n)
-        options = list(NVRTC_OPTIONS) + [f"-arch={arch}"]
-        try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as exc:
-            raise CompileError(f"{exc}\n{nvrtc.getProgramLog(prog)}") from exc
+
+    def read(nvrtc, prog):
         log = nvrtc.getProgramLog(prog).strip()
         if log:
             raise CompileError(f"NVRTC warnings for {arch}:\n{log}")
-        cubin = nvrtc.getCUBIN(prog)
-        if not cubin:
+        if not nvrtc.getCUBIN(prog):
             raise CompileError(f"NVRTC produced no cubin for {arch}")
-        return {n: nvrtc.getLoweredName(prog, n) for n in names}
-    finally:
-        nvrtc.destroyProgram(prog)
+        return {s.name_expression(): nvrtc.getLoweredName(prog, s.name_expression())
+                for s in specs}
+
+    return _nvrtc_compile(specs, arch, read)
+
+
+def ptx_for_arch(specs, arch: str = "sm_90") -> str:
+    """NVRTC's PTX for ``specs`` (one source file) on ``arch``'s virtual
+    architecture (compute_XX), for tests that read the generated code."""
+    def read(nvrtc, prog):
+        ptx = nvrtc.getPTX(prog)
+        return (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
+
+    return _nvrtc_compile(specs, f"compute_{arch[3:]}", read)

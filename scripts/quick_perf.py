@@ -1,6 +1,7 @@
 """Quick GPU timings for kernel work: a few workloads vs a same-run copy,
 and the host cost of a cached decode call. The full benchmark is
 ``python -m cupy_rope.bench``."""
+import copy
 import itertools
 import statistics
 import sys
@@ -54,6 +55,28 @@ def variant(unroll, min_blocks, lanes=32, varlen_tokens=None, threads=256, defin
     specialize.NVRTC_OPTIONS = ("-std=c++17", f"-DROPE_MIN_BLOCKS_PER_SM={min_blocks}",
                                 *[f"-D{d}" for d in defines])
     specialize._modules.clear()
+    api._plans.clear()
+
+
+def parse_variant(arg):
+    """NAME:ATTR=VALUE,... -> (NAME, {ATTR: VALUE}) (strings)."""
+    name, _, rest = arg.partition(":")
+    return name, dict(kv.partition("=")[::2] for kv in filter(None, rest.split(",")))
+
+
+def set_policy(settings, defaults):
+    """Restore ``defaults`` (cupy_rope.launch attributes), then set
+    ``settings`` {ATTR or ATTR[KEY] (a dict's entry): integer}; plans are
+    made anew."""
+    from cupy_rope import api, launch
+    for a, v in defaults.items():
+        setattr(launch, a, copy.copy(v))
+    for a, v in settings.items():
+        if "[" in a:
+            a, key = a.rstrip("]").split("[")
+            getattr(launch, a)[int(key)] = int(v)
+        else:
+            setattr(launch, a, int(v))
     api._plans.clear()
 
 
@@ -570,8 +593,8 @@ if __name__ == "__main__":
     if "--variants" in sys.argv:
         # Launch-policy variants: NAME:ATTR=VALUE,ATTR=VALUE (cupy_rope.launch attributes,
         # ATTR[KEY]=VALUE for a dict's entry), e.g. base: up:LANES_ROUND_UP=1
-        # small:SMALL_BLOCK_THREADS=128 (FLAT_PER_THREAD and FLAT_CARVEOUT: with
-        # results/h100-2026-11-24/flat-per-thread.patch applied)
+        # small:SMALL_BLOCK_THREADS=128 (FLAT_PER_THREAD / FLAT_CARVEOUT: with
+        # results/h100-2026-11-24/flat-per-thread.patch / flat-carveout.patch applied)
         from cupy_rope import launch
         defaults = {a: getattr(launch, a) for a in ("LANES_ROUND_UP", "SMALL_BLOCK_THREADS",
                                                     "THREADS_PER_BLOCK", "MAX_HEAD_LANES",
@@ -584,23 +607,16 @@ if __name__ == "__main__":
                                                     "COMPUTED_ANGLES_HEADS",
                                                     "EXPLICIT_PACKET_ROWS", "FLAT_PER_THREAD",
                                                     "FLAT_CARVEOUT") if hasattr(launch, a)}
-        defaults = {a: dict(v) if isinstance(v, dict) else v for a, v in defaults.items()}
+        defaults = {a: copy.copy(v) for a, v in defaults.items()}
         for spec in sys.argv[sys.argv.index("--variants") + 1:]:
-            name, _, rest = spec.partition(":")
-            settings = dict(kv.partition("=")[::2] for kv in filter(None, rest.split(",")))
+            name, settings = parse_variant(spec)
+            rest = spec.partition(":")[2]
             # UNROLL and MINB (blocks per SM in __launch_bounds__) recompile the kernels.
             # D=NAME+NAME: preprocessor macros for the kernels.
             variant(int(settings.pop("UNROLL", 4)), int(settings.pop("MINB", 2)),
                     lanes=defaults["MAX_HEAD_LANES"],
                     defines=tuple(filter(None, settings.pop("D", "").split("+"))))
-            for a, v in defaults.items():
-                setattr(launch, a, dict(v) if isinstance(v, dict) else v)
-            for a, v in settings.items():
-                if "[" in a:  # DICT[KEY]=VALUE
-                    a, key = a.rstrip("]").split("[")
-                    getattr(launch, a)[int(key)] = int(v)
-                else:
-                    setattr(launch, a, int(v))
+            set_policy(settings, defaults)
             print(f"== {name}: {rest or 'defaults'}", flush=True)
             main(host=False)
     elif "--sweep" in sys.argv:

@@ -14,35 +14,18 @@ flat-carveout.patch a plan sets flat_kernel's carveout, a function
 attribute, when it is made). Prints, per workload,
 each variant's forward / backward times (us, every round) and the fraction
 of a same-run copy of its best round."""
+import copy
 import sys
 
-import copy
-
-from cupy_rope import api, bench, launch
+from cupy_rope import bench, launch
 from inputs_probe import each_workload
-
-
-def parse(arg):
-    name, _, rest = arg.partition(":")
-    return name, [kv.partition("=")[::2] for kv in filter(None, rest.split(","))]
-
-
-def apply(settings, defaults):
-    for a, v in defaults.items():
-        setattr(launch, a, copy.copy(v))
-    for a, v in settings:
-        if "[" in a:
-            a, key = a.rstrip("]").split("[")
-            getattr(launch, a)[int(key)] = int(v)
-        else:
-            setattr(launch, a, int(v))
-    api._plans.clear()
+from quick_perf import parse_variant, set_policy
 
 
 def main():
     names, reps = sys.argv[1], int(sys.argv[2])
-    variants = [parse(a) for a in sys.argv[3:]] or [("defaults", [])]
-    named = {a.split("[")[0] for _, settings in variants for a, _ in settings}
+    variants = [parse_variant(a) for a in sys.argv[3:]] or [("defaults", {})]
+    named = {a.split("[")[0] for _, settings in variants for a in settings}
     defaults = {a: copy.copy(getattr(launch, a)) for a in named}
 
     def measure(w, t_copy, comp, ours, args):
@@ -51,11 +34,11 @@ def main():
         comp_t = []
         for _ in range(reps):
             for n, settings in variants:
-                apply(settings, defaults)
+                set_policy(settings, defaults)
                 for b in (False, True):
                     res[n][b].append(bench.time_call(ours.call[b], args, 30, 5)[0] * 1e3)
             comp_t.append(bench.time_call(compiled, args_c, 30, 5)[0] * 1e3)
-        apply([], defaults)
+        set_policy({}, defaults)
         t = t_copy * 1e3
         parts = [f"{n} fwd {' '.join(f'{v:.1f}' for v in f)} ({t / min(f):.3f}) "
                  f"bwd {' '.join(f'{v:.1f}' for v in bw)} ({t / min(bw):.3f})"

@@ -11,23 +11,6 @@ from cupy_rope import launch, specialize
 CHUNK = 60  # name expressions per NVRTC program
 
 
-def _ptx(specs, arch="sm_90"):
-    """NVRTC's PTX for ``specs`` (one source file) on ``arch``'s virtual arch."""
-    from cupy.cuda import nvrtc
-
-    source_file = specs[0].source_file
-    prog = nvrtc.createProgram(specialize.kernel_source(source_file), source_file, [], [])
-    try:
-        for s in specs:
-            nvrtc.addNameExpression(prog, s.name_expression())
-        nvrtc.compileProgram(prog, list(specialize.NVRTC_OPTIONS)
-                             + [f"-arch=compute_{arch[3:]}"])
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    return (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
-
-
 def _compile_chunk(args):
     specs, arch = args
     return specialize.compile_for_arch(specs, arch)
@@ -70,7 +53,7 @@ def test_varlen_sequence_signal_compiles_on_each_path(arch, waits, absent):
     # mbarrier polled with test_wait on sm_80-89 and with try_wait from sm_90.
     specs = [s for s in launch.shipped_specs() if s.pos_mode == "varlen"][:12]
     specialize.compile_for_arch(specs, arch)  # cubin, no warnings
-    ptx = _ptx(specs, arch)
+    ptx = specialize.ptx_for_arch(specs, arch)
     entries = ptx.count(".entry ")
     assert entries == len(specs)
     for w in waits:  # every kernel waits on the signal
@@ -100,9 +83,9 @@ def test_varlen_prefetch_only_with_tables():
     without = ([s for s in specs if s.pos_mode == "varlen" and s.source != "table"][:6]
                + [s for s in specs if s.pos_mode != "varlen"][:6])
     assert len(with_prefetch) == 6 and len(without) == 12
-    entries = _ptx(with_prefetch).split(".entry ")[1:]
+    entries = specialize.ptx_for_arch(with_prefetch).split(".entry ")[1:]
     assert len(entries) == 6 and all("prefetch.global.L1" in e for e in entries)
-    assert "prefetch" not in _ptx(without)
+    assert "prefetch" not in specialize.ptx_for_arch(without)
 
 
 def test_compile_error_is_reported():
@@ -161,7 +144,7 @@ def test_param_blocks_are_the_size_the_launcher_packs():
         picked.setdefault(spec.mapping, spec)
     assert set(picked) == set(want)
     for mapping, spec in picked.items():
-        ptx = _ptx([spec])
+        ptx = specialize.ptx_for_arch([spec])
         sizes = re.findall(r"\.param \.align \d+ \.b8 \w+\[(\d+)\]", ptx)
         assert sizes == [str(want[mapping])], (mapping, sizes)
 
