@@ -129,7 +129,7 @@ _FLAT_SLAB = ("block_begin", "rows", "step_mul", "step_shift", "seq_len", "seq_m
 FLAT_FIXED_FIELDS = (
     [(f"slab[{i}].{f}", "q") for i in range(MAX_SLABS) for f in _FLAT_SLAB]
     + [(n, "q") for n in ("n_slabs", "cos_stride_row", "sin_stride_row", "max_position")]
-    + [("sin_sign", "f"), ("pad_", "f")])
+    + [("sin_sign", "f"), ("zero", "I")])
 FLAT_PARAM_FIELDS = tuple(DYNAMIC_FIELDS) + tuple(FLAT_FIXED_FIELDS)
 _FLAT_FIXED = struct.Struct("<" + "".join(c for _, c in FLAT_FIXED_FIELDS))
 FLAT_PARAMS_SIZE = _DYNAMIC.size + _FLAT_FIXED.size
@@ -563,7 +563,8 @@ def flat_fixed_params(call: Call, slab_blocks: list, flat: list) -> bytes:
     """The fixed part of FlatParams: per slab its first block and
     :func:`flat_geometry`'s (rows, rows per sequence step, sequence length)
     with reciprocals for the two divisions; the table row strides, the
-    table's rows and the direction."""
+    table's rows, the direction and ``zero`` (always 0: kernels/flat.cu
+    LATE_TABLES)."""
     fields = []
     for i in range(MAX_SLABS):
         if i < len(call.slabs):
@@ -573,7 +574,7 @@ def flat_fixed_params(call: Call, slab_blocks: list, flat: list) -> bytes:
             fields += (0,) * len(_FLAT_SLAB)
     cos, sin = call.tables[0], call.tables[-1]
     fields += (len(call.slabs), cos.strides[0], sin.strides[0], call.max_position,
-               -1.0 if call.backward else 1.0, 0.0)
+               -1.0 if call.backward else 1.0, 0)
     return _FLAT_FIXED.pack(*fields)
 
 

@@ -74,6 +74,19 @@ __device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
 // reads go to L2 (a [b, h, s, d] tensor seen as bshd: 0.987 -> 0.996 of copy;
 // with one position per block it costs 0.3%).
 //
+// LATE_TABLES (16-bit x; GPT-J, or NeoX rows that tile a warp without split
+// angles): a thread asks for its cos/sin rows only once its x packet has
+// arrived: the table addresses take the packet's first word ANDed with
+// p.zero (0 at run time, unknown to the compiler), so the loads wait for it.
+// The rows those calls read are shared by a block's rows (one position or a
+// few) and come from L1; asked for alongside x they made the bf16 rows
+// 0.3-0.6% slower (of a same-run copy on the H100: sbhd [4096, 1, 128, 128]
+// 0.999 -> 1.003-1.004, q + k prefill 1.000 -> 1.005-1.006, GPT-J 0.996 ->
+// 1.000, partial rotary in place +0.5%; docs/perf-notes.md v17). Asked for
+// late they cost 1-2% where they come from L2 (split angles: the [b, h, s,
+// d] view), on d80 NeoX (rows of 10 packets, 2 idle lanes a warp) and with
+// partner loads, and 0.3% on fp32: there they are asked for early.
+//
 // PARTNER_LOAD (NeoX, out of place only): a thread loads its rotation
 // partner itself (the packet HALF away, which its own thread loads too: an
 // L1 hit) instead of taking it from another lane, so rows need not tile a
@@ -97,6 +110,8 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   constexpr bool SHUFFLE = !INTERLEAVED && !PARTNER_LOAD;  // NeoX partner from another lane
   static_assert(!SHUFFLE || PACKETS <= 32, "NeoX by shuffle: a head row within one warp");
   static_assert(!(SPLIT_ANGLES && !SHUFFLE), "split angles: NeoX with the partner by shuffle");
+  constexpr bool LATE_TABLES =
+      sizeof(T) == 2 && !SPLIT_ANGLES && !PARTNER_LOAD && (INTERLEAVED || 32 % PACKETS == 0);
   // Lanes of a warp that hold packets: NeoX by shuffle, whole head rows (d80
   // bf16: 3 rows of 10 packets, 2 lanes idle); otherwise all 32.
   constexpr int LANES = SHUFFLE ? (32 / PACKETS) * PACKETS : 32;
@@ -142,11 +157,16 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   const bool inside = wanted >= 0 && wanted < p.max_position;
   const i64 pos = live && inside ? wanted : 0;
 
-  // The table rows are requested before the partner exchange, which waits
-  // for x: both loads are in flight together. NeoX: the partner is the lane
-  // HALF away, in the same row.
+  // The table rows: requested once x is here (LATE_TABLES), or before the
+  // partner exchange, which waits for x, so that both loads are in flight
+  // together. NeoX: the partner is the lane HALF away, in the same row.
   const int partner_lane = static_cast<int>(lane) + (first_half ? HALF : -HALF);
-  const int f0 = INTERLEAVED ? pk * FREQS : (first_half ? pk : pk - HALF) * VEC;
+  int f0 = INTERLEAVED ? pk * FREQS : (first_half ? pk : pk - HALF) * VEC;
+  if constexpr (LATE_TABLES) {
+    unsigned first_word;
+    memcpy(&first_word, &raw, 4);
+    f0 += static_cast<int>(first_word & p.zero);
+  }
   float c[FREQS], s[FREQS], v[VEC];
   if constexpr (!SPLIT_ANGLES) {
     load_row<AngleT, FREQS, false>(p.cos, pos * p.cos_stride_row + f0, 1, c);

@@ -138,7 +138,11 @@ struct FlatParams : CallData {
   i64 sin_stride_row;
   i64 max_position;
   float sin_sign;
-  float pad_;
+  // 0 on every call (the launcher writes it): flat_kernel ANDs it with the
+  // data it loaded to make its table addresses wait for that data
+  // (LATE_TABLES, kernels/flat.cu). A runtime value, so the compiler cannot
+  // drop the dependency.
+  unsigned zero;
 };
 
 // floor(n / d) for n < 2^31, with (mul, shift) from cupy_rope/launch.py

@@ -612,6 +612,7 @@ def _check_flat_index_math(storage, b, s, h, dtype, d, interleaved, rotary_dim):
         launch.flat_fixed_params(call, slabs, geometry))))
     assert fields["slab[0].rows"] == rows == int(np.prod(shape)) // d
     assert fields["n_slabs"] == 1 and fields["max_position"] == tab.shape[0]
+    assert fields["zero"] == 0  # ANDed into table addresses (kernels/flat.cu LATE_TABLES)
 
     # Every lane of the grid, as the kernel maps it.
     lanes = 32 if interleaved or spec.partner_load else 32 // packets * packets
