@@ -95,8 +95,9 @@ MAX_HEADS = 1 << 30  # heads per token (kernels/rope.cu indexes heads in 32 bits
 POS_MODES = {IMPLIED: 0, EXPLICIT: 1, VARLEN: 2, AXES: 3}
 
 # The fields of rope::Params, in order: (name, struct code). Every field is 8
-# bytes; "f" pairs with the padding float. The leading block (rope::CallData,
-# which FlatParams starts with too) changes per call.
+# bytes; "f" pairs with the padding float (in FlatParams: "f" sin_sign and
+# "I" zero). The leading block (rope::CallData, which FlatParams starts with
+# too) changes per call.
 DYNAMIC_FIELDS = (
     [(f"x_data[{i}]", "Q") for i in range(MAX_SLABS)]
     + [(f"out_data[{i}]", "Q") for i in range(MAX_SLABS)]

@@ -78,14 +78,16 @@ __device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
 // angles): a thread asks for its cos/sin rows only once its x packet has
 // arrived: the table addresses take the packet's first word ANDed with
 // p.zero (0 at run time, unknown to the compiler), so the loads wait for it.
-// The rows those calls read are shared by a block's rows (one position or a
-// few) and come from L1; asked for alongside x they made the bf16 rows
-// 0.3-0.6% slower (of a same-run copy on the H100: sbhd [4096, 1, 128, 128]
-// 0.999 -> 1.003-1.004, q + k prefill 1.000 -> 1.005-1.006, GPT-J 0.996 ->
-// 1.000, partial rotary in place +0.5%; docs/perf-notes.md v17). Asked for
-// late they cost 1-2% where they come from L2 (split angles: the [b, h, s,
-// d] view), on d80 NeoX (rows of 10 packets, 2 idle lanes a warp) and with
-// partner loads, and 0.3% on fp32: there they are asked for early.
+// Those rows mostly come from L1 (a block's rows lie at one position or a
+// few); asked for alongside x they made the bf16 rows slower (of a same-run
+// copy on the H100, one process: sbhd [4096, 1, 128, 128] 0.996 -> 1.002,
+// q + k prefill 0.998 -> 1.003, bshd 0.996 -> 1.001, GPT-J 0.995 -> 0.999;
+// sbhd [512, 32, 24, 128] moved -0.6% to +0.6% over the session's runs;
+// docs/perf-notes.md v17). GPT-J on a [b, h, s, d] tensor seen as bshd,
+// whose rows come from L2, ran the same either way (0.998 / 0.999). Late
+// rows cost NeoX with split angles (that view) 1.3-1.6%, d80 NeoX (rows of
+// 10 packets, 2 idle lanes a warp) 0.5-1.8% and partner loads 0.7-1.9%, and
+// moved fp32 by -0.3% to +0.7%: those ask for them early.
 //
 // PARTNER_LOAD (NeoX, out of place only): a thread loads its rotation
 // partner itself (the packet HALF away, which its own thread loads too: an

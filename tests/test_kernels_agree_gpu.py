@@ -47,6 +47,8 @@ def _run(kernels: str, monkeypatch, x_dev, kw_dev, mode, dtype, out_like_x=False
         cupy_rope.apply_rope(x_dev, **kw_dev, **common, out=work)
     (prepared,) = api._plans.values()
     fixed = launch.unpack_fixed(prepared.plan)
+    if prepared.plan.spec.mapping == "flat":
+        assert fixed["zero"] == 0  # ANDed into table addresses (kernels/flat.cu LATE_TABLES)
     return to_host(work), prepared.plan.spec.mapping, fixed.get("slab[0].head_major", 0)
 
 
