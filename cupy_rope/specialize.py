@@ -253,8 +253,8 @@ def compile_for_arch(specs, arch: str = "sm_90") -> dict:
             raise CompileError(f"NVRTC warnings for {arch}:\n{log}")
         if not nvrtc.getCUBIN(prog):
             raise CompileError(f"NVRTC produced no cubin for {arch}")
-        return {s.name_expression(): nvrtc.getLoweredName(prog, s.name_expression())
-                for s in specs}
+        names = (s.name_expression() for s in specs)
+        return {n: nvrtc.getLoweredName(prog, n) for n in names}
 
     return _nvrtc_compile(specs, arch, read)
 

@@ -61,18 +61,25 @@ def workload_inputs(w, env, comp):
     return ctx, sets, t_copy, ([p.make_args(s) for s in sets], p.call[False])
 
 
-def each_workload(names, run):
+def _ours(w, ctx, sets, env):
+    """cupy-rope's Prepared for a workload and its argument sets."""
+    ours = bench.prepare_ours(w, ctx, env)
+    return ours, [ours.make_args(s) for s in sets]
+
+
+def each_workload(names, run, prepare=_ours):
     """``run(workload, copy time ms, (torch.compile's argument sets, its
-    forward call), cupy-rope's Prepared, its argument sets)`` for each named
-    benchmark workload, on the benchmark's own inputs; each workload's
-    arrays are freed before the next one's are made."""
+    forward call), *prepare(workload, context, input sets, env))`` for each
+    named benchmark workload, on the benchmark's own inputs (by default
+    ``prepare`` gives cupy-rope's Prepared and its argument sets); each
+    workload's arrays are freed before the next one's are made."""
     env = bench._Env()
     comp = peers.TorchCompile()
     for w in bench.select_workloads(names):
         ctx, sets, t_copy, compiled = workload_inputs(w, env, comp)
-        ours = bench.prepare_ours(w, ctx, env)
-        run(w, t_copy, compiled, ours, [ours.make_args(s) for s in sets])
-        del ctx, sets, compiled, ours
+        made = prepare(w, ctx, sets, env)
+        run(w, t_copy, compiled, *made)
+        del ctx, sets, compiled, made
         env.sync()
         env.free()
 
@@ -83,11 +90,8 @@ def main():
     names = names[0].split(",") if names else [
         w.name for w in bench.WORKLOADS if w.kind in ("single", "thd")
         and w.mode != "inplace"]
-    env = bench._Env()
-    comp = peers.TorchCompile()
-    for w in bench.select_workloads(names):
-        ctx, sets, t_copy, compiled = workload_inputs(w, env, comp)
-        impls = make(w, ctx, sets, env)
+
+    def measure(w, t_copy, compiled, impls):
         impls["compile"] = compiled
         res = {k: [] for k in impls}
         for _ in range(2):
@@ -96,9 +100,8 @@ def main():
         line = " | ".join(f"{k} {' '.join(f'{t * 1e3:.1f}' for t in v)} "
                           f"({t_copy / min(v):.3f})" for k, v in res.items())
         print(f"{w.name:28s} copy {t_copy * 1e3:.1f}: {line}", flush=True)
-        del sets, impls
-        env.sync()
-        env.free()
+
+    each_workload(names, measure, lambda w, ctx, sets, env: (make(w, ctx, sets, env),))
 
 
 if __name__ == "__main__":

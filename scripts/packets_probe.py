@@ -24,16 +24,12 @@ from cupy.cuda import driver
 
 sys.path.insert(0, ".")
 import cupy_rope  # noqa: E402
-from scripts.lean_probe import tables  # noqa: E402
+from scripts.lean_probe import SRC as LEAN, tables  # noqa: E402
 from scripts.quick_perf import bf16, copy_us, time_us  # noqa: E402
 
-SRC = r"""
-typedef unsigned short u16;
-__device__ __forceinline__ unsigned long long keep() {
-  unsigned long long p; asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p)); return p; }
-__device__ __forceinline__ uint4 ldp(const void* p, unsigned long long pol) {
-  uint4 v; asm("ld.global.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol)); return v; }
+# lean_probe's source (u16, the evict-last policy `keep` and load `ldp`,
+# its kernels) and this probe's kernels.
+SRC = LEAN + r"""
 template <int N> __device__ __forceinline__ void row(const float* r, float (&v)[N]) {
   const unsigned long long pol = keep();
 #pragma unroll

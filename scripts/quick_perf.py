@@ -596,7 +596,7 @@ if __name__ == "__main__":
         # small:SMALL_BLOCK_THREADS=128 (FLAT_PER_THREAD / FLAT_CARVEOUT: with
         # results/h100-2026-11-24/flat-per-thread.patch / flat-carveout.patch applied)
         from cupy_rope import launch
-        defaults = {a: getattr(launch, a) for a in ("LANES_ROUND_UP", "SMALL_BLOCK_THREADS",
+        defaults = {a: copy.copy(getattr(launch, a)) for a in ("LANES_ROUND_UP", "SMALL_BLOCK_THREADS",
                                                     "THREADS_PER_BLOCK", "MAX_HEAD_LANES",
                                                     "PACKET_KERNELS", "PACKET_THREADS",
                                                     "FLAT_KERNELS", "FLAT_PARTNER_LOAD_ALWAYS",
@@ -607,7 +607,6 @@ if __name__ == "__main__":
                                                     "COMPUTED_ANGLES_HEADS",
                                                     "EXPLICIT_PACKET_ROWS", "FLAT_PER_THREAD",
                                                     "FLAT_CARVEOUT") if hasattr(launch, a)}
-        defaults = {a: copy.copy(v) for a, v in defaults.items()}
         for spec in sys.argv[sys.argv.index("--variants") + 1:]:
             name, settings = parse_variant(spec)
             rest = spec.partition(":")[2]
