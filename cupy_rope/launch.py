@@ -89,6 +89,12 @@ FLAT_THREADS = 128  # kernels/flat.cu FLAT_THREADS (its launch bounds and warp i
 # themselves out of place, and stay on packet_kernel in place.
 FLAT_MAX_IDLE_LANES = 2
 FLAT_PARTNER_LOAD_ALWAYS = False  # scripts/quick_perf.py: every NeoX call out of place
+# flat_kernel compiled for the call's slab count (Spec.slabs): one slab
+# needs no run-time pick of each block's slab before its x address (bf16
+# sbhd [512, 32, 24, 128] on the H100: 0.988 -> 0.996 of copy, [512, 8,
+# 128, 128] 0.991 -> 0.999; kernels/flat.cu, docs/perf-notes.md v18).
+# False: one kernel for every count (Spec.slabs 0), the previous kernel.
+FLAT_EXACT_SLABS = True
 MAX_PACKET_UNITS = 1 << 31  # packet_kernel indexes a slab's units in 32 bits
 MAX_SLABS = 3
 MAX_HEADS = 1 << 30  # heads per token (kernels/rope.cu indexes heads in 32 bits)
@@ -285,7 +291,8 @@ def choose_spec(call: Call, packets: bool = True, flat: bool = True) -> Spec:
         block_rows = FLAT_THREADS // 32 * (32 // row_packets) if shuffle else 0
         split = shuffle and any(0 < step < block_rows for _, step, _ in geometry)
         return dataclasses.replace(spec, unroll=1, mapping="flat", split_angles=split,
-                                   partner_load=partner_load)
+                                   partner_load=partner_load,
+                                   slabs=len(call.slabs) if FLAT_EXACT_SLABS else 0)
     packet_spec = dataclasses.replace(spec, unroll=1, mapping="packets")
     units = packet_spec.rot_items  # packet_kernel threads per head
     # (NeoX packets tile each half by the choice of `pairs`; a GPT-J thread's
@@ -613,6 +620,9 @@ class Plan:
                 varlen_block_shape(*shape, call.n_seqs, call.source)
                 if call.pos_mode == VARLEN else block_shape(*shape))
         elif spec.mapping == "flat":
+            if spec.slabs not in (0, len(call.slabs)):  # kernels/flat.cu SLABS
+                raise RuntimeError(f"internal: flat_kernel compiled for {spec.slabs} slabs "
+                                   f"launched for {len(call.slabs)}")
             flat = flat_geometry(call)
             self.grid, self.block, slab_blocks = flat_shape(
                 spec.rotary_dim // spec.vec, spec.interleaved or spec.partner_load,
@@ -920,4 +930,9 @@ def shipped_specs() -> list:
                                     # rope_kernel's twin, for calls of 2^31+ packets
                                     # and explicit positions in large calls
                                     specs.append(choose_spec(call, packets=False))
+    # flat_kernel for q and k in one call: the same kernels compiled for two
+    # slabs. (A fused QKV split copies v, which flat_kernel does not take, so
+    # no flat call has three.)
+    specs += [dataclasses.replace(sp, slabs=2) for sp in specs
+              if sp.mapping == "flat" and sp.slabs]
     return sorted(set(specs), key=repr)

@@ -71,6 +71,9 @@ class Spec:
     # flat_kernel, NeoX out of place: a thread loads its rotation partner
     # itself (rows need not tile a warp).
     partner_load: bool = False
+    # flat_kernel: the call's slab count (x alone: 1; q and k: 2), or 0 for
+    # a kernel that takes any count and picks each block's slab at run time.
+    slabs: int = 0
 
     @property
     def source_file(self) -> str:
@@ -113,7 +116,7 @@ class Spec:
             return "rope::flat_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),
                 str(self.rotary_dim), b(self.interleaved), b(self.split_angles),
-                b(self.partner_load)]) + ">"
+                b(self.partner_load), str(self.slabs)]) + ">"
         if self.mapping == "packets":
             return "rope::packet_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),

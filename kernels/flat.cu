@@ -51,21 +51,35 @@ constexpr int SM_MAX_THREADS = 2048;
 #endif
 constexpr int FLAT_MIN_BLOCKS = SM_MAX_THREADS / FLAT_THREADS;
 
-// This block's slab (block-uniform, params.cuh block_slab_index) and its
-// data pointers, picked with compile-time indices.
+// This block's slab (block-uniform) and its data pointers, picked with
+// compile-time indices. SLABS: the call's slab count (cupy_rope/launch.py
+// FLAT_EXACT_SLABS: x alone 1, q and k 2), or 0 for any count up to
+// MAX_SLABS (p.n_slabs). With one slab nothing is picked: the x address then
+// waits for no comparison of blockIdx against the slabs' first blocks and
+// no branch on them. (bf16 on the H100, of a same-run copy, one process:
+// sbhd [512, 32, 24, 128] 0.988 -> 0.996, [512, 8, 128, 128] 0.991 ->
+// 0.999, rotary 0.5 in place 0.961 -> 0.972, the other flat rows within
+// 0.6%; a run-time branch on n_slabs == 1 in front of the pick gained less
+// (sbhd [512, 8, 128, 128] 0.983 -> 0.989, 24 heads nothing);
+// docs/perf-notes.md v18.)
 struct FlatBlock {
   const void* x;
   void* out;
   FlatSlab s;
 };
 
+template <int SLABS>
 __device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
-  const int k = block_slab_index(p);
-  FlatBlock f;
+  if constexpr (SLABS == 1) {
+    return FlatBlock{p.x_data[0], p.out_data[0], p.slab[0]};
+  } else {
+    const int k = block_slab_index<SLABS>(p);
+    FlatBlock f;
 #pragma unroll
-  for (int i = 0; i < MAX_SLABS; ++i)
-    if (i == k) f = FlatBlock{p.x_data[i], p.out_data[i], p.slab[i]};
-  return f;
+    for (int i = 0; i < (SLABS ? SLABS : MAX_SLABS); ++i)
+      if (i == k) f = FlatBlock{p.x_data[i], p.out_data[i], p.slab[i]};
+    return f;
+  }
 }
 
 // SPLIT_ANGLES (NeoX): the two lanes of a rotation pair, which need the same
@@ -98,8 +112,9 @@ __device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
 // idle lanes per warp and packet_kernel's 0.977-0.987; for rows that tile a
 // warp it is no faster than the shuffle.)
 template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERLEAVED,
-          bool SPLIT_ANGLES, bool PARTNER_LOAD>
+          bool SPLIT_ANGLES, bool PARTNER_LOAD, int SLABS>
 __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(const FlatParams p) {
+  static_assert(SLABS >= 0 && SLABS <= MAX_SLABS, "a slab count, or 0 for any");
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per packet
   // Packets a thread walks per head row: the rotated channels. With
   // ROTARY_DIM < HEAD_DIM (in place only: the launcher copies no tail here)
@@ -121,11 +136,12 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   // GPT-J, the packet's VEC / 2 pairs.
   constexpr int FREQS = INTERLEAVED ? VEC / 2 : VEC;
 
-  const FlatBlock blk = flat_block(p);
+  const FlatBlock blk = flat_block<SLABS>(p);
   const FlatSlab& sl = blk.s;
   const unsigned lane = threadIdx.x & 31u;
-  const unsigned warp = (blockIdx.x - static_cast<unsigned>(sl.block_begin)) *
-                            (FLAT_THREADS / 32) + threadIdx.x / 32u;
+  // (The first slab's blocks begin at 0.)
+  const unsigned begin = SLABS == 1 ? 0u : static_cast<unsigned>(sl.block_begin);
+  const unsigned warp = (blockIdx.x - begin) * (FLAT_THREADS / 32) + threadIdx.x / 32u;
   // (The launcher keeps a slab's rows x PACKETS below 2^31: 32-bit index math.)
   const unsigned rows = static_cast<unsigned>(sl.rows);
   if (warp * LANES / PACKETS >= rows) return;  // the last block's spare warps (warp-uniform)

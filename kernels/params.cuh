@@ -173,13 +173,15 @@ struct BlockSlab {
   void* out_data;
 };
 
-// The slab of this block (block-uniform): Params or FlatParams.
-template <typename P>
+// The slab of this block (block-uniform): Params or FlatParams. SLABS: the
+// call's slab count when the kernel is compiled for it, else 0 (any count
+// up to MAX_SLABS: p.n_slabs says).
+template <int SLABS = 0, typename P>
 __device__ __forceinline__ int block_slab_index(const P& p) {
   int k = 0;
 #pragma unroll
-  for (int i = 1; i < MAX_SLABS; ++i)
-    if (i < p.n_slabs && blockIdx.x >= p.slab[i].block_begin) k = i;
+  for (int i = 1; i < (SLABS ? SLABS : MAX_SLABS); ++i)
+    if ((SLABS || i < p.n_slabs) && blockIdx.x >= p.slab[i].block_begin) k = i;
   return k;
 }
 

@@ -1,5 +1,6 @@
 """NVRTC compiles every shipped specialization for sm_90, with no GPU (CPU)."""
 
+import dataclasses
 import os
 import re
 from concurrent.futures import ProcessPoolExecutor
@@ -34,6 +35,11 @@ def test_every_shipped_specialization_compiles_for_sm90():
         False, True}
     assert {s.partner_load for s in specs if s.mapping == "flat" and not s.interleaved} == {
         False, True}
+    # flat_kernel for x alone and for q + k: both counts compiled for every
+    # flat specialization
+    flat = [s for s in specs if s.mapping == "flat"]
+    assert {s.slabs for s in flat} == {1, 2}
+    assert len({dataclasses.replace(s, slabs=1) for s in flat}) * 2 == len(flat)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100"])

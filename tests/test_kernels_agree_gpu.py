@@ -144,6 +144,37 @@ def test_qk_with_one_slab_walked_head_major(rng, monkeypatch, dtype):
         assert_close(got["flat"][i], oracle(x, **src, layout="bshd"), dtype, name)
 
 
+@pytest.mark.parametrize("k_heads", [0, 3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flat_kernel_for_the_slab_count_and_for_any(rng, monkeypatch, dtype, k_heads):
+    """flat_kernel compiled for the call's slab count (x alone: 1, q and k:
+    2; launch.FLAT_EXACT_SLABS) and the one for any count (0) write every
+    element, the same bits, close to float64."""
+    b, s, h, d = 2, 9, 5, 64
+    x = rng.standard_normal((b, s, h, d)).astype(np_dtype(dtype))
+    k = rng.standard_normal((b, s, k_heads, d)).astype(np_dtype(dtype))
+    src = angle_sources(rng, dtype, d, ROWS)["table_f32"]
+    kw_dev = {n: to_device(v) for n, v in src.items()}
+    got = {}
+    for exact in (True, False):
+        monkeypatch.setattr(launch, "FLAT_EXACT_SLABS", exact)
+        monkeypatch.setattr(api, "_plans", {})
+        outs = [full_nan(x.shape, dtype), full_nan(k.shape, dtype)]
+        if k_heads:
+            cupy_rope.apply_rope_qk(to_device(x), to_device(k), **kw_dev, out_q=outs[0],
+                                    out_k=outs[1])
+        else:
+            cupy_rope.apply_rope(to_device(x), **kw_dev, out=outs[0])
+        (prepared,) = api._plans.values()
+        spec = prepared.plan.spec
+        assert spec.mapping == "flat"
+        assert spec.slabs == ((2 if k_heads else 1) if exact else 0)
+        got[exact] = [to_host(o) for o in outs[:1 + bool(k_heads)]]
+    for i, (arr, name) in enumerate(((x, "x"), (k, "k"))[:1 + bool(k_heads)]):
+        assert np.array_equal(bits(got[True][i]), bits(got[False][i])), name
+        assert_close(got[True][i], oracle(arr, **src, layout="bshd"), dtype, name)
+
+
 @pytest.mark.parametrize("fraction", [0.5, 0.25])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

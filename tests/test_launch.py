@@ -525,8 +525,35 @@ def test_flat_kernel_policy(case, mapping, split, partner_load):
     if split is not None:
         assert (spec.split_angles, spec.partner_load) == (split, partner_load)
     if mapping == "flat":  # flat=False: what runs without it (partial: one head per thread)
+        assert spec.slabs == 1  # compiled for one slab: no run-time pick (FLAT_EXACT_SLABS)
         assert launch.choose_spec(call, flat=False).mapping == (
             "heads" if case.startswith("partial") else "packets")
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("k_heads", [0, 8])
+def test_flat_kernel_slab_count(monkeypatch, exact, k_heads):
+    """flat_kernel is compiled for the call's slab count (x alone: 1, q and
+    k: 2), whose first block is 0; with FLAT_EXACT_SLABS off, for any count
+    (0: each block picks its slab at run time)."""
+    from cupy_rope.validate import check_call
+
+    monkeypatch.setattr(launch, "FLAT_EXACT_SLABS", exact)
+    b, s, h, d = 2, 16, 32, 128
+    tab = _table(2 * s, d // 2)
+    kw = {}
+    if k_heads:
+        kw = dict(k=_dense((b, s, k_heads, d), (0, 1, 2, 3), "bfloat16", 1 << 45),
+                  out_k=_dense((b, s, k_heads, d), (0, 1, 2, 3), "bfloat16", 1 << 46))
+    call = check_call(_dense((b, s, h, d), (0, 1, 2, 3), "bfloat16"), cos=tab, sin=tab,
+                      out=_dense((b, s, h, d), (0, 1, 2, 3), "bfloat16", 1 << 44), **kw)
+    spec = launch.choose_spec(call)
+    assert spec.mapping == "flat"
+    assert spec.slabs == ((2 if k_heads else 1) if exact else 0)
+    assert spec.name_expression().endswith(f", {spec.slabs}>")
+    geometry = launch.flat_geometry(call)
+    _, _, slabs = launch.flat_shape(16, False, [rows for rows, _, _ in geometry])
+    assert slabs[0][0] == 0 and len(slabs) == len(call.slabs)
 
 
 @pytest.mark.parametrize("dtype,d,r", [("bfloat16", 36, 16), ("float32", 18, 8)])
