@@ -70,16 +70,12 @@ struct FlatBlock {
 
 template <int SLABS>
 __device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
-  if constexpr (SLABS == 1) {
-    return FlatBlock{p.x_data[0], p.out_data[0], p.slab[0]};
-  } else {
-    const int k = block_slab_index<SLABS>(p);
-    FlatBlock f;
+  const int k = block_slab_index<SLABS>(p);
+  FlatBlock f;
 #pragma unroll
-    for (int i = 0; i < (SLABS ? SLABS : MAX_SLABS); ++i)
-      if (i == k) f = FlatBlock{p.x_data[i], p.out_data[i], p.slab[i]};
-    return f;
-  }
+  for (int i = 0; i < slab_bound(SLABS); ++i)
+    if (i == k) f = FlatBlock{p.x_data[i], p.out_data[i], p.slab[i]};
+  return f;
 }
 
 // SPLIT_ANGLES (NeoX): the two lanes of a rotation pair, which need the same

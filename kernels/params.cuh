@@ -173,14 +173,17 @@ struct BlockSlab {
   void* out_data;
 };
 
-// The slab of this block (block-uniform): Params or FlatParams. SLABS: the
-// call's slab count when the kernel is compiled for it, else 0 (any count
-// up to MAX_SLABS: p.n_slabs says).
+// Slabs a kernel compiled for SLABS may see: SLABS, the call's count when
+// the kernel is compiled for it, else (0) any count up to MAX_SLABS.
+__host__ __device__ constexpr int slab_bound(int slabs) { return slabs ? slabs : MAX_SLABS; }
+
+// The slab of this block (block-uniform): Params or FlatParams. With SLABS 0,
+// p.n_slabs says how many there are; with one slab, 0 at compile time.
 template <int SLABS = 0, typename P>
 __device__ __forceinline__ int block_slab_index(const P& p) {
   int k = 0;
 #pragma unroll
-  for (int i = 1; i < (SLABS ? SLABS : MAX_SLABS); ++i)
+  for (int i = 1; i < slab_bound(SLABS); ++i)
     if ((SLABS || i < p.n_slabs) && blockIdx.x >= p.slab[i].block_begin) k = i;
   return k;
 }

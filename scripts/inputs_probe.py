@@ -75,6 +75,7 @@ def each_workload(names, run, prepare=_ours):
     workload's arrays are freed before the next one's are made."""
     env = bench._Env()
     comp = peers.TorchCompile()
+    comp.available()  # also raises torch.compile's recompile limits: one graph per shape
     for w in bench.select_workloads(names):
         ctx, sets, t_copy, compiled = workload_inputs(w, env, comp)
         made = prepare(w, ctx, sets, env)

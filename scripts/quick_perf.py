@@ -45,17 +45,27 @@ def bf16():
     return cupy.dtype(ml_dtypes.bfloat16)
 
 
+SHIPPED_NVRTC_OPTIONS = cupy_rope.specialize.NVRTC_OPTIONS
+
+
+def use_macros(defines):
+    """Compile the kernels from now on with -D``d`` for each ``d`` of
+    ``defines`` (NAME or NAME=VALUE; none: as shipped); kernels and plans
+    are made anew."""
+    from cupy_rope import api, specialize
+    specialize.NVRTC_OPTIONS = (*SHIPPED_NVRTC_OPTIONS, *[f"-D{d}" for d in defines])
+    specialize._modules.clear()
+    api._plans.clear()
+
+
 def variant(unroll, min_blocks, lanes=32, varlen_tokens=None, threads=256, defines=()):
-    from cupy_rope import api, launch, specialize
+    from cupy_rope import launch
     launch.UNROLL = unroll
     launch.MAX_HEAD_LANES = lanes
     if varlen_tokens is not None:
         launch.VARLEN_MIN_TOKENS = launch.VARLEN_COMPUTED_MIN_TOKENS = varlen_tokens
     launch.THREADS_PER_BLOCK = threads
-    specialize.NVRTC_OPTIONS = ("-std=c++17", f"-DROPE_MIN_BLOCKS_PER_SM={min_blocks}",
-                                *[f"-D{d}" for d in defines])
-    specialize._modules.clear()
-    api._plans.clear()
+    use_macros((f"ROPE_MIN_BLOCKS_PER_SM={min_blocks}", *defines))
 
 
 def parse_variant(arg):

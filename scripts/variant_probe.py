@@ -1,43 +1,63 @@
-"""Launch-policy variants on the benchmark's own inputs, alternating, with
-torch.compile in the same process (GPU machine):
+"""Launch-policy and kernel variants on the benchmark's own inputs (or on
+single-tensor shapes), alternating, with torch.compile in the same process
+(GPU machine):
 
-    PYTHONPATH=. python scripts/variant_probe.py WORKLOADS REPS VARIANT [VARIANT ...]
+    PYTHONPATH=.:scripts python scripts/variant_probe.py WORKLOADS REPS VARIANT [VARIANT ...]
 
-WORKLOADS: comma-separated cupy_rope.bench names; REPS: rounds (each round
-times every variant, forward and backward, then torch.compile once);
-VARIANT: NAME:ATTR=VALUE,... with cupy_rope.launch attributes (ATTR[KEY]=VALUE
-sets a dict's entry; FLAT_CARVEOUT exists with
-results/h100-2026-11-24/flat-carveout.patch applied, FLAT_PER_THREAD with
-flat-per-thread.patch), e.g. c100:FLAT_CARVEOUT[4]=100. Every attribute any
-variant names is restored before each variant, and plans are remade (with
-flat-carveout.patch a plan sets flat_kernel's carveout, a function
-attribute, when it is made). Prints, per workload,
-each variant's forward / backward times (us, every round) and the fraction
-of a same-run copy of its best round."""
+WORKLOADS: comma-separated cupy_rope.bench names, or LAYOUT:D0xD1xD2xD3 for
+a single tensor of that shape (bf16, out of place, fp32 [P, r/2] tables, as
+the benchmark's sbhd rows); REPS: rounds (each round times every variant,
+forward and backward, then torch.compile once); VARIANT: NAME:SETTING,...
+with SETTING a cupy_rope.launch attribute ATTR=VALUE (ATTR[KEY]=VALUE sets a
+dict's entry; FLAT_CARVEOUT exists with results/h100-2026-11-24/
+flat-carveout.patch applied, FLAT_PER_THREAD with flat-per-thread.patch),
+or D=MACRO+MACRO (-DMACRO or -DMACRO=VALUE for the kernels, as in
+quick_perf.py --variants), e.g. c100:FLAT_CARVEOUT[4]=100 or
+old:FLAT_EXACT_SLABS=0. Every attribute any variant names is restored
+before each variant, and plans are remade (with flat-carveout.patch a plan
+sets flat_kernel's carveout, a function attribute, when it is made).
+Prints, per workload, each variant's forward / backward times (us, every
+round) and the fraction of a same-run copy of its best round."""
 import copy
 import sys
 
 from cupy_rope import bench, launch
 from inputs_probe import each_workload
-from quick_perf import parse_variant, set_policy
+from quick_perf import parse_variant, set_policy, use_macros
+
+
+def workload(name: str):
+    """A cupy_rope.bench workload, or a single tensor of LAYOUT:D0xD1xD2xD3."""
+    if ":" not in name:
+        return bench.select_workloads([name])[0]
+    layout, dims = name.split(":")
+    shape = tuple(int(v) for v in dims.split("x"))
+    return bench.Workload(f"{layout}-{dims}", f"bf16 {layout} {list(shape)}", "single",
+                          layout, shape)
 
 
 def main():
-    names, reps = sys.argv[1], int(sys.argv[2])
+    workloads, reps = [workload(n) for n in sys.argv[1].split(",")], int(sys.argv[2])
+    known = {w.name for w in bench.WORKLOADS}  # so that each_workload finds them by name
+    bench.WORKLOADS.extend(w for w in workloads if w.name not in known)
     variants = [parse_variant(a) for a in sys.argv[3:]] or [("defaults", {})]
-    named = {a.split("[")[0] for _, settings in variants for a in settings}
+    variants = [(n, {a: v for a, v in s.items() if a != "D"},
+                 tuple(filter(None, s.get("D", "").split("+")))) for n, s in variants]
+    named = {a.split("[")[0] for _, settings, _ in variants for a in settings}
     defaults = {a: copy.copy(getattr(launch, a)) for a in named}
 
     def measure(w, t_copy, comp, ours, args):
         args_c, compiled = comp
-        res = {n: ([], []) for n, _ in variants}
+        res = {n: ([], []) for n, _, _ in variants}
         comp_t = []
         for _ in range(reps):
-            for n, settings in variants:
+            for n, settings, macros in variants:
+                use_macros(macros)
                 set_policy(settings, defaults)
                 for b in (False, True):
                     res[n][b].append(bench.time_call(ours.call[b], args, 30, 5)[0] * 1e3)
             comp_t.append(bench.time_call(compiled, args_c, 30, 5)[0] * 1e3)
+        use_macros(())
         set_policy({}, defaults)
         t = t_copy * 1e3
         parts = [f"{n} fwd {' '.join(f'{v:.1f}' for v in f)} ({t / min(f):.3f}) "
@@ -47,7 +67,7 @@ def main():
               + f" | compile {' '.join(f'{v:.1f}' for v in comp_t)} ({t / min(comp_t):.3f})",
               flush=True)
 
-    each_workload(names, measure)
+    each_workload([w.name for w in workloads], measure)
 
 
 if __name__ == "__main__":
