@@ -95,6 +95,22 @@ FLAT_PARTNER_LOAD_ALWAYS = False  # scripts/quick_perf.py: every NeoX call out o
 # 128, 128] 0.991 -> 0.999; kernels/flat.cu, docs/perf-notes.md v18).
 # False: one kernel for every count (Spec.slabs 0), the previous kernel.
 FLAT_EXACT_SLABS = True
+# flat_kernel also for explicit positions that follow the sequence index
+# alone (thd [t], bshd / sbhd [s] or [1, s]), read at the row's sequence
+# index, where the table rows they can reach fit in FLAT_POSITIONS_TABLE_BYTES
+# (min(positions, table rows) x a row of cos and sin) and the kernel asks for
+# them late (16-bit x, rows that tile a warp or GPT-J, no split angles or
+# partner loads: kernels/flat.cu LATE_TABLES). bf16 on the H100, of a
+# same-run copy, flat_kernel against the kernel picked before: thd [65536,
+# 32, 128] at the positions of 2401 sequences (a table of their longest
+# length) 0.999 -> 1.012 (torch.compile on the same positions 1.009), 128
+# sequences 1.002 -> 1.011; bshd [4, 4096, 32, 128] with positions [s] 0.977
+# -> 0.987; decode [64, 32, 128] 5.3 -> 4.9 us. Table rows from DRAM
+# (65536 distinct positions into a 70000-row table) ran 0.964 -> 0.931, and
+# d80 (rows of 10 packets) 0.988 -> 0.915: those stay where they were
+# (docs/perf-notes.md v19). False: every explicit call as before.
+FLAT_POSITIONS = True
+FLAT_POSITIONS_TABLE_BYTES = 4 << 20
 MAX_PACKET_UNITS = 1 << 31  # packet_kernel indexes a slab's units in 32 bits
 MAX_SLABS = 3
 MAX_HEADS = 1 << 30  # heads per token (kernels/rope.cu indexes heads in 32 bits)
@@ -135,7 +151,8 @@ _FLAT_SLAB = ("block_begin", "rows", "step_mul", "step_shift", "seq_len", "seq_m
               "seq_shift")
 FLAT_FIXED_FIELDS = (
     [(f"slab[{i}].{f}", "q") for i in range(MAX_SLABS) for f in _FLAT_SLAB]
-    + [(n, "q") for n in ("n_slabs", "cos_stride_row", "sin_stride_row", "max_position")]
+    + [(n, "q") for n in ("n_slabs", "cos_stride_row", "sin_stride_row", "max_position",
+                          "pos_stride", "pos_is_64")]
     + [("sin_sign", "f"), ("zero", "I")])
 FLAT_PARAM_FIELDS = tuple(DYNAMIC_FIELDS) + tuple(FLAT_FIXED_FIELDS)
 _FLAT_FIXED = struct.Struct("<" + "".join(c for _, c in FLAT_FIXED_FIELDS))
@@ -271,7 +288,10 @@ def choose_spec(call: Call, packets: bool = True, flat: bool = True) -> Spec:
     # rotated packet, the rest of each row never addressed (bshd [4, 4096,
     # 32, 128] bf16, rotary 64: 53.3 -> 51.9-52.1 us, rotary 32: 38.9 ->
     # 38.7-38.9 us, against 51.7 / 38.8 us for a kernel that only loads and
-    # stores the same bytes; docs/perf-notes.md v12.)
+    # stores the same bytes; docs/perf-notes.md v12.) And explicit positions
+    # that follow the sequence index alone into a table whose reachable rows
+    # are few (FLAT_POSITIONS: thd at the positions of 2401 sequences 0.999
+    # -> 1.012, decode 5.3 -> 4.9 us; docs/perf-notes.md v19).
     vec = 2 * pairs if call.interleaved else pairs  # channels per packet
     row_packets = r // vec  # flat_kernel: the rotated packets of a head row
     tiles = row_packets <= 32 and 32 % row_packets <= FLAT_MAX_IDLE_LANES
@@ -290,6 +310,14 @@ def choose_spec(call: Call, packets: bool = True, flat: bool = True) -> Spec:
         shuffle = not call.interleaved and not partner_load
         block_rows = FLAT_THREADS // 32 * (32 // row_packets) if shuffle else 0
         split = shuffle and any(0 < step < block_rows for _, step, _ in geometry)
+        if call.pos_mode == EXPLICIT:
+            late_tables = (item == 2 and not split and not partner_load
+                           and (call.interleaved or 32 % row_packets == 0))
+            reachable = min(call.positions.shape[-1], call.max_position)
+            row_bytes = sum(t.itemsize for t in tables) * half
+            if not late_tables or reachable * row_bytes > FLAT_POSITIONS_TABLE_BYTES:
+                geometry = None
+    if geometry is not None:
         return dataclasses.replace(spec, unroll=1, mapping="flat", split_angles=split,
                                    partner_load=partner_load,
                                    slabs=len(call.slabs) if FLAT_EXACT_SLABS else 0)
@@ -406,13 +434,20 @@ def flat_geometry(call: Call):
     dense array of head rows (the batch, sequence and head axes, in any
     order, tile its memory with positive strides, head_dim innermost), the
     output must have x's strides (or be x), and a row's position must follow
-    from its index: implied positions with a scalar offset only, no context
+    from its index: implied positions (or FLAT_POSITIONS' explicit ones)
+    with a scalar offset only, no context
     parallelism, cos/sin tables, full rotary (or partial rotary in place:
     only the rotated packets of each row are walked), every slab rotated and
     no grouped (packed QKV) heads. The row index is (row / rows per step) %
     sequence length; the modulo is not needed (0) when no axis is stored
-    outside the sequence axis."""
-    if not (call.pos_mode == IMPLIED and call.source == "table" and call.offsets is None
+    outside the sequence axis. Explicit positions are read at that index,
+    so they must follow it alone (choose_spec adds the table-size rule)."""
+    # Explicit positions that follow the sequence index alone (thd [t]; [s],
+    # or [1, s] for one batch entry) are read at the row's sequence index.
+    positions_ok = call.pos_mode == IMPLIED or (
+        FLAT_POSITIONS and call.pos_mode == EXPLICIT
+        and (call.positions.ndim == 1 or call.batch == 1))
+    if not (positions_ok and call.source == "table" and call.offsets is None
             and call.cp_size == 1 and (call.rotary_dim == call.head_dim or call.inplace)):
         return None
     d, geometry = call.head_dim, []
@@ -581,7 +616,10 @@ def flat_fixed_params(call: Call, slab_blocks: list, flat: list) -> bytes:
         else:
             fields += (0,) * len(_FLAT_SLAB)
     cos, sin = call.tables[0], call.tables[-1]
+    p = call.positions  # EXPLICIT: indexed by the sequence index (flat_geometry)
+    pos_stride = p.strides[-1] if p is not None else 0
     fields += (len(call.slabs), cos.strides[0], sin.strides[0], call.max_position,
+               pos_stride, int(p is not None and p.dtype == "int64"),
                -1.0 if call.backward else 1.0, 0)
     return _FLAT_FIXED.pack(*fields)
 
@@ -851,7 +889,8 @@ def shipped_specs() -> list:
     and explicit positions, and for 32 heads with implied positions. (The
     launcher picks the UNROLL 1 kernels for one head per token and for
     partial rotary in place; flat_kernel for dense slabs with implied
-    positions and tables, with split angles when a block's rows lie at
+    positions (or explicit ones of the sequence index into a small table:
+    16-bit x, no split angles) and tables, with split angles when a block's rows lie at
     several positions (few heads); packet_kernel where it can otherwise,
     with packet_kernel's twin for calls flat_kernel cannot take, and
     rope_kernel's for calls too large for it, for angles computed from
@@ -889,7 +928,7 @@ def shipped_specs() -> list:
                             for pos_mode in ("implied", "explicit", "varlen", "axes"):
                                 if h == 1 and pos_mode not in ("implied", "explicit"):
                                     continue  # the one-head kernels: a representative set
-                                if h == 32 and pos_mode != "implied":
+                                if h == 32 and pos_mode not in ("implied", "explicit"):
                                     continue  # flat_kernel for many heads (no split angles)
                                 for last_stride in (1, 2):
                                     if last_stride == 2 and (inplace or pos_mode != "implied"):
@@ -914,9 +953,11 @@ def shipped_specs() -> list:
                                                       inplace=inplace,
                                                       out=None if inplace else out, **kw)
                                     specs.append(choose_spec(call))
-                                    if pos_mode == "implied" and last_stride == 1:
+                                    if pos_mode in ("implied", "explicit") and last_stride == 1:
                                         # one token: flat_kernel without split angles
                                         one = tensor((1, h, d), dtype)
+                                        if pos_mode == "explicit":
+                                            kw["positions"] = tensor((1,), "int32")
                                         specs.append(choose_spec(check_call(
                                             one, layout="thd", interleaved=interleaved,
                                             inplace=inplace,

@@ -62,7 +62,8 @@ class Spec:
     # (packet_kernel, kernels/packet.cu: a thread rotates two 16-byte
     # packets, GPT-J fp32 one; full rotary on 16-byte aligned views) or
     # "flat" (flat_kernel, kernels/flat.cu: one 16-byte packet per thread
-    # over dense slabs in memory order, implied positions, cos/sin tables).
+    # over dense slabs in memory order, implied positions or explicit ones
+    # indexed by the sequence index alone, cos/sin tables).
     mapping: str = "heads"
     # flat_kernel, NeoX: the two lanes of a rotation pair each read half of
     # the angles they share and swap halves (for blocks whose rows lie at
@@ -116,7 +117,7 @@ class Spec:
             return "rope::flat_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),
                 str(self.rotary_dim), b(self.interleaved), b(self.split_angles),
-                b(self.partner_load), str(self.slabs)]) + ">"
+                b(self.partner_load), str(self.slabs), str(POS_MODES[self.pos_mode])]) + ">"
         if self.mapping == "packets":
             return "rope::packet_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),

@@ -12,13 +12,16 @@
 // every slab's x, and its output, are dense arrays of head rows with the
 // same strides (bshd, sbhd, thd, or any permutation of the token and head
 // axes, such as a [b, h, s, d] tensor seen as bshd), full rotary (or partial
-// rotary in place), a cos/sin table and implied positions. Then head row r
-// of a slab sits at r * HEAD_DIM elements from its first one, and its
-// position is
-//   pos = (r / rows_per_step) % seq_len + offset
+// rotary in place), a cos/sin table and implied positions, or explicit ones
+// that follow the sequence index alone (thd [t]; [s] or [1, s]). Then head
+// row r of a slab sits at r * HEAD_DIM elements from its first one, its
+// sequence index is
+//   i = (r / rows_per_step) % seq_len
 // where rows_per_step is the number of head rows between consecutive
 // sequence indices (the product of the axes stored inside the sequence axis)
-// and the modulo is skipped when no axis is stored outside it.
+// and the modulo is skipped when no axis is stored outside it, and its
+// position is i + offset (IMPLIED) or positions[i * pos_stride] + offset
+// (EXPLICIT).
 //
 // Why a third kernel: at the copy rate an SM has a few hundred instruction
 // slots per 16-byte packet (docs/perf-notes.md), and packet_kernel's general
@@ -107,10 +110,15 @@ __device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
 // (d96 bf16 q + k on the H100: 0.984-0.990 of copy, against 0.979 with 8
 // idle lanes per warp and packet_kernel's 0.977-0.987; for rows that tile a
 // warp it is no faster than the shuffle.)
+//
+// POS_MODE: IMPLIED, the row's sequence index; EXPLICIT, the entry of
+// `positions` at that index (positions that depend on the sequence index
+// alone: thd [t], or [s] / [1, s] for bshd and sbhd), read alongside x.
 template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERLEAVED,
-          bool SPLIT_ANGLES, bool PARTNER_LOAD, int SLABS>
+          bool SPLIT_ANGLES, bool PARTNER_LOAD, int SLABS, int POS_MODE>
 __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(const FlatParams p) {
   static_assert(SLABS >= 0 && SLABS <= MAX_SLABS, "a slab count, or 0 for any");
+  static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per packet
   // Packets a thread walks per head row: the rotated channels. With
   // ROTARY_DIM < HEAD_DIM (in place only: the launcher copies no tail here)
@@ -159,15 +167,20 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
     if (live) partner = load_raw<T, VEC>(x + (first_half ? HALF * VEC : -HALF * VEC), 1);
   }
 
-  // The position: the row's sequence index plus the scalar offset. The host
-  // checks every position of the call against the table (implied positions
-  // are known there); as in the other kernels, a position outside it still
-  // reads no memory (row 0 is read) and gives NaN. A lane with no row reads
-  // row 0 too.
+  // The position: the row's sequence index (or, EXPLICIT, the positions
+  // entry there) plus the scalar offset. The host checks every position it
+  // can see against the table (implied positions, host arrays); as in the
+  // other kernels, a position outside it still reads no memory (row 0 is
+  // read) and gives NaN. A lane with no row reads row 0 too.
   const unsigned step = divide(row, sl.step_mul, sl.step_shift);
   const unsigned seq = static_cast<unsigned>(sl.seq_len);
   const unsigned index = seq ? step - divide(step, sl.seq_mul, sl.seq_shift) * seq : step;
-  const i64 wanted = static_cast<i64>(index) + p.offset;
+  i64 wanted = p.offset;
+  if constexpr (POS_MODE == EXPLICIT) {
+    if (live) wanted += load_index(p.positions, static_cast<i64>(index) * p.pos_stride, p.pos_is_64);
+  } else {
+    wanted += static_cast<i64>(index);
+  }
   const bool inside = wanted >= 0 && wanted < p.max_position;
   const i64 pos = live && inside ? wanted : 0;
 

@@ -111,8 +111,9 @@ struct Params : CallData {
 };
 
 // flat_kernel's parameters (kernels/flat.cu): the per-call block, then
-// only what flat_kernel reads (it takes no positions, offsets or
-// cu_seqlens, which stay null): 304 bytes, against 952 for
+// only what flat_kernel reads (it takes no offsets array or cu_seqlens,
+// which stay null; positions only for EXPLICIT): 320 bytes (304 before the
+// two position fields), against 952 for
 // Params when it carried flat_kernel's fields (808 now). A launch carries
 // its whole parameter block: on the H100 a 1472-byte block cost 0.15-0.35
 // us per launch over a 40-byte one, on kernels of 4 to 93 us
@@ -137,6 +138,10 @@ struct FlatParams : CallData {
   i64 cos_stride_row;
   i64 sin_stride_row;
   i64 max_position;
+  // EXPLICIT (kernels/flat.cu POS_MODE): positions[index * pos_stride],
+  // int64 if pos_is_64 else int32.
+  i64 pos_stride;
+  i64 pos_is_64;
   float sin_sign;
   // 0 on every call (the launcher writes it): flat_kernel ANDs it with the
   // data it loaded to make its table addresses wait for that data

@@ -391,15 +391,19 @@ def explicit():
     default_rows, default_packets = launch.EXPLICIT_PACKET_ROWS, launch.PACKET_KERNELS
 
     def both_kernels(call, sets, t_copy):
-        """"pk": packet_kernel at every size (the launcher's own choice sends
-        explicit positions in large calls to rope_kernel); "rk": rope_kernel."""
+        """"fl": the launcher's choice (flat_kernel where positions follow the
+        sequence index alone); "pk": packet_kernel at every size (without
+        flat_kernel the launcher sends explicit positions in large calls to
+        rope_kernel); "rk": rope_kernel."""
         res = []
-        for packets in (True, False):
-            launch.PACKET_KERNELS = packets
-            launch.EXPLICIT_PACKET_ROWS = 1 << 62 if packets else default_rows
+        for name in ("fl", "pk", "rk"):
+            launch.FLAT_POSITIONS = name == "fl"
+            launch.PACKET_KERNELS = name != "rk"
+            launch.EXPLICIT_PACKET_ROWS = 1 << 62 if name == "pk" else default_rows
             api._plans.clear()
             t = time_us(call, sets)
-            res.append(f"{'pk' if packets else 'rk'} {t:7.1f} us {t_copy / t:.3f}")
+            res.append(f"{name} {t:7.1f} us {t_copy / t:.3f}")
+        launch.FLAT_POSITIONS = True
         return "  ".join(res)
 
     cu = np.sort(np.random.default_rng(0).choice(np.arange(1, T), 2400, replace=False))
@@ -417,6 +421,11 @@ def explicit():
              ("thd [256, 32, 128] distinct", (256, 32, 128), "thd", np.arange(256), False),
              ("bshd [4, 4096, 32, 128] arange", (4, 4096, 32, 128), "bshd",
               np.tile(np.arange(4096), (4, 1)), False),
+             ("bshd [4, 4096, 32, 128] [s]", (4, 4096, 32, 128), "bshd",
+              np.arange(4096) + 7, False),
+             ("sbhd [4096, 1, 128, 128] [s]", (4096, 1, 128, 128), "sbhd",
+              np.arange(4096)[::-1].copy(), False),
+             ("thd [T, 32, 128] 2401 seqs in place", (T, 32, 128), "thd+", repeated, False),
              ("bhsd view [4, 4096, 32, 128] arange", (4, 32, 4096, 128), "bshd",
               np.tile(np.arange(4096), (4, 1)), False),
              ("thd [64, 32, 128] decode", (64, 32, 128), "thd",
@@ -429,9 +438,13 @@ def explicit():
         # "bhsd view": [b, h, s, d] arrays seen as bshd, the output in x's order
         view = (lambda a: a.transpose(0, 2, 1, 3)) if name.startswith("bhsd") else (lambda a: a)
         sets = [(view(rnd(shape)), view(rnd(shape))) for _ in range(2)]
-        res = both_kernels(lambda x, o: cupy_rope.apply_rope(
-            x, cos, sin, positions=pos, layout=layout, interleaved=inter, out=o), sets,
-            copy_us(sets[0][0].nbytes))
+        if layout.endswith("+"):  # in place
+            call = lambda x, o: cupy_rope.apply_rope(  # noqa: E731
+                x, cos, sin, positions=pos, layout=layout[:-1], inplace=True)
+        else:
+            call = lambda x, o: cupy_rope.apply_rope(  # noqa: E731
+                x, cos, sin, positions=pos, layout=layout, interleaved=inter, out=o)
+        res = both_kernels(call, sets, copy_us(sets[0][0].nbytes))
         print(f"{name:34s}", res, flush=True)
         del sets
     # q + k in one launch, vLLM-style prefill: [tokens, h * d] views,

@@ -179,7 +179,8 @@ def flat_rows():
     output of the same order), NeoX rows that leave lanes idle (d80 bf16)
     or that load their partner (d96 bf16, d80 / d96 fp32, out of place),
     a last warp with rows to spare, partial rotary in place (the rotated
-    packets only), q + k with GQA, and an offset."""
+    packets only), q + k with GQA, an offset, and explicit positions read
+    at each row's sequence index."""
     n = 0
     for dtype in ("float32", "bfloat16"):
         for d, (b, s, h) in ((64, (2, 13, 3)), (80, (3, 7, 5)), (96, (2, 5, 3)),
@@ -209,6 +210,21 @@ def flat_rows():
                     dtype, [normal((s, b, 4, d), dtype), normal((s, b, 1, d), dtype)],
                     dict(cos=cos, sin=sin, layout="sbhd", interleaved=interleaved))
                 n += 1
+    # explicit positions that follow the sequence index alone (16-bit x):
+    # thd [t] and bshd [s], read at each row's sequence index
+    for d in (64, 128, 256):
+        cos, sin = tables(d, 40)
+        for interleaved in (False, True):
+            for inplace in (False, True):
+                for layout, shape, pos in (
+                        ("thd", (11, 32, d), rng.integers(0, 37, 11).astype(np.int64)),
+                        ("bshd", (2, 9, 16, d), rng.integers(0, 37, 9).astype(np.int32))):
+                    run(f"flat positions {layout} d{d} gptj={interleaved} inplace={inplace}",
+                        cupy_rope.apply_rope, "bfloat16", [normal(shape, "bfloat16")],
+                        dict(cos=cos, sin=sin, positions=pos, layout=layout, offsets=3,
+                             interleaved=interleaved, inplace=inplace),
+                        inplace_arrays=(0,) if inplace else ())
+                    n += 1
     return n
 
 

@@ -271,9 +271,54 @@ def test_acceptance_slower_than_peer_and_errors():
     items = {it["item"]: it for it in bench.acceptance(_result(_with_best(rows), names))}
     assert items["1a"]["status"] == "FAIL"          # error rows fail the roofline item
     assert items["1b"]["status"] == "FAIL"
-    assert any("0.90x vs liger" in f for f in items["1b"]["failures"])
+    assert any("0.900x vs liger" in f for f in items["1b"]["failures"])
     for k in ("2", "3", "4", "5", "6"):
         assert items[k]["status"] == "SKIP"
+
+
+def test_acceptance_thd_compares_the_positions_row_with_the_peers():
+    """On thd the peers get per-token positions gathered outside their timed
+    call: [1b] takes cupy-rope's row on those positions and reports the
+    cu_seqlens row's speedup beside it; [1a] holds both rows to the copy
+    roofline."""
+    res = _all_pass_result()
+    for r in list(res["rows"]):
+        if r["workload"].startswith("thd") and r["impl"] == bench.OURS:
+            pos = dict(r, impl=bench.OURS_POSITIONS, time_us=r["time_us"] * 0.98)
+            res["rows"].append(pos)
+            r["time_us"] *= 1.2  # cu_seqlens: slower than the peer below
+    for r in res["rows"]:
+        if r["workload"].startswith("thd") and r["impl"] == "torch-eager":
+            r["time_us"] = 390.0 * 1.1
+    for r in res["rows"]:  # what _run_workload computes for both of our rows
+        r.pop("speedup_vs_best_peer", None)
+        r.pop("best_peer", None)
+    _with_best_both(res["rows"])
+    by = {it["item"]: it for it in bench.acceptance(res)}
+    assert by["1b"]["status"] == "PASS", by["1b"]
+    assert "thd with cu_seqlens" in by["1b"]["detail"]
+    for r in res["rows"]:
+        if r["impl"] == bench.OURS_POSITIONS and r["workload"] == "thd-n128":
+            r["time_us"] = 500.0
+            r["speedup_vs_best_peer"] = r["best_peer_time_us"] / 500.0
+            r["fraction_of_copy"] = 0.9
+    by = {it["item"]: it for it in bench.acceptance(res)}
+    assert by["1b"]["status"] == "FAIL"
+    assert any(f.startswith("thd-n128 fwd positions") for f in by["1b"]["failures"])
+    assert any(f.startswith("thd-n128 fwd positions: 0.900") for f in by["1a"]["failures"])
+
+
+def _with_best_both(rows):
+    for d in ("fwd", "bwd"):
+        for w in {r["workload"] for r in rows}:
+            others = [r for r in rows if r["workload"] == w and r["direction"] == d
+                      and r["impl"] not in bench.OURS_IMPLS and r["status"] == "ok"]
+            for r in rows:
+                if (r["workload"], r["direction"]) == (w, d) and r["impl"] in bench.OURS_IMPLS \
+                        and others:
+                    best = min(others, key=lambda o: o["time_us"])
+                    r["best_peer"], r["best_peer_time_us"] = best["impl"], best["time_us"]
+                    r["speedup_vs_best_peer"] = best["time_us"] / r["time_us"]
 
 
 def test_acceptance_no_peer_is_skip():

@@ -92,6 +92,13 @@ def test_flat_packet_and_heads_kernels_agree(rng, monkeypatch, interleaved, dtyp
             kw_dev = {k: to_device(v) for k, v in kw.items()}
             flat = (not positions and name.startswith("table") and flat_rows
                     and (mode == "inplace" or out_like_x or not head_major))
+            if positions:
+                # explicit positions of one batch entry ([s], thd) into a small
+                # table, 16-bit x, rows whose table reads come late: only GPT-J
+                # here (NeoX's 5 head rows a position split the angles)
+                flat = (name.startswith("table") and (layout == "thd" or b == 1)
+                        and interleaved and dtype != "float32"
+                        and (mode == "inplace" or out_like_x or not head_major))
             for backward in (False, True):
                 common = dict(layout=layout, interleaved=interleaved, backward=backward)
                 got_f, kind_f, _ = _run("flat", monkeypatch, x_dev, kw_dev, mode, dtype,
@@ -210,3 +217,89 @@ def test_partial_rotary_in_place_flat_and_heads_kernels_agree(rng, monkeypatch, 
             assert np.array_equal(bits(got_f), bits(got_h)), what
             assert np.array_equal(bits(got_f[..., r:]), bits(x[..., r:])), what  # untouched
             assert_close(got_f, oracle(x, **src, **common), dtype, what)
+
+
+@pytest.mark.parametrize("mode", ["out", "inplace"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_flat_kernel_explicit_positions(rng, monkeypatch, interleaved, dtype, head_dim, mode):
+    """Explicit positions that follow the sequence index alone (thd [t],
+    bshd / sbhd [s], bshd [1, s]; int32, int64, a strided view, a scalar
+    offset) run flat_kernel, which reads them at each row's sequence index:
+    every element written, rope_kernel's bits, close to float64; a device
+    position outside the table gives NaN in its token's rows, as in
+    rope_kernel."""
+    s, h, d = 9, 32, head_dim
+    src = angle_sources(rng, dtype, d, ROWS)["table_f32"]
+    kw_dev = {k: to_device(v) for k, v in src.items()}
+    for layout, b, pos_shape, pos_dtype, strided, offset, outside in (
+            ("thd", 1, (s,), np.int32, False, 0, False),
+            ("thd", 1, (s,), np.int64, True, 3, False),
+            ("bshd", 2, (s,), np.int32, False, 0, False),
+            ("bshd", 1, (1, s), np.int64, False, 0, False),
+            ("sbhd", 2, (s,), np.int32, True, 0, False),
+            ("thd", 1, (s,), np.int32, False, 0, True)):
+        shape = {"thd": (s, h, d), "bshd": (b, s, h, d), "sbhd": (s, b, h, d)}[layout]
+        x = rng.standard_normal(shape).astype(np_dtype(dtype))
+        x_dev = to_device(x)
+        pos = rng.integers(0, ROWS - offset, pos_shape)
+        if outside:
+            pos[3] = ROWS + 5
+        if strided:  # every other element of a longer array
+            wide = np.zeros(pos_shape[:-1] + (2 * s,), dtype=pos_dtype)
+            wide[..., ::2] = pos
+            pos_dev = to_device(wide)[..., ::2]
+        else:
+            pos_dev = to_device(pos.astype(pos_dtype))
+        kw = dict(kw_dev, positions=pos_dev)
+        for backward in (False, True):
+            common = dict(layout=layout, interleaved=interleaved, backward=backward)
+            if offset:
+                common["offsets"] = offset
+            got_f, kind_f, _ = _run("flat", monkeypatch, x_dev, kw, mode, dtype, **common)
+            got_h, kind_h, _ = _run("heads", monkeypatch, x_dev, kw, mode, dtype, **common)
+            what = f"{layout} positions {pos_shape} {np.dtype(pos_dtype)} strided={strided} " \
+                   f"offset={offset} outside={outside} backward={backward}"
+            assert (kind_f, kind_h) == ("flat", "heads"), what
+            assert np.array_equal(bits(got_f), bits(got_h)), what
+            if outside:
+                assert np.isnan(got_f[3].astype(np.float32)).all(), what
+                assert not np.isnan(np.delete(got_f, 3, axis=0).astype(np.float32)).any(), what
+            else:
+                want = oracle(x, **src, positions=pos.astype(np.int64) + offset, **{
+                    k: v for k, v in common.items() if k != "offsets"})
+                assert_close(got_f, want, dtype, what)
+
+
+@pytest.mark.parametrize("pos_dtype", [np.int32, np.int64])
+def test_flat_kernel_explicit_positions_q_and_k_decode(rng, monkeypatch, pos_dtype):
+    """The vLLM decode form (q [t, 32 * d] and k [t, 8 * d] in place at
+    positions [t] into a cos|sin cache) runs flat_kernel for two slabs:
+    rope_kernel's bits, close to float64."""
+    t, hq, hk, d = 5, 32, 8, 128
+    q = rng.standard_normal((t, hq * d)).astype(np_dtype("bfloat16"))
+    k = rng.standard_normal((t, hk * d)).astype(np_dtype("bfloat16"))
+    src = angle_sources(rng, "bfloat16", d, ROWS)["table_f32"]
+    cache = np.concatenate([src["cos"], src["sin"]], axis=1)
+    pos = rng.integers(0, ROWS, (t,)).astype(pos_dtype)
+    cache_dev, pos_dev = to_device(cache), to_device(pos)
+    got = {}
+    for kernels in ("flat", "heads"):
+        monkeypatch.setattr(launch, "FLAT_KERNELS", kernels == "flat")
+        monkeypatch.setattr(launch, "PACKET_KERNELS", kernels != "heads")
+        monkeypatch.setattr(api, "_plans", {})
+        q_dev, k_dev = to_device(q), to_device(k)
+        cupy_rope.apply_rope_qk(q_dev, k_dev, cos_sin_cache=cache_dev, positions=pos_dev,
+                                layout="thd", head_dim=d, inplace=True)
+        (prepared,) = api._plans.values()
+        spec = prepared.plan.spec
+        assert (spec.mapping, spec.pos_mode) == (kernels, "explicit")
+        if kernels == "flat":
+            assert spec.slabs == 2
+        got[kernels] = (to_host(q_dev), to_host(k_dev))
+    for i, (x, heads, name) in enumerate(((q, hq, "q"), (k, hk, "k"))):
+        assert np.array_equal(bits(got["flat"][i]), bits(got["heads"][i])), name
+        want = oracle(x.reshape(t, heads, d), **src, positions=pos.astype(np.int64),
+                      layout="thd")
+        assert_close(got["flat"][i].reshape(t, heads, d), want, dtype="bfloat16", what=name)

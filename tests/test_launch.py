@@ -397,14 +397,16 @@ def test_gptj_packets_read_16_bit_tables_whole_rows_only_when_aligned(row_stride
 
 
 @pytest.mark.parametrize("rule,tokens,mapping", [
-    ("explicit", 16, "packets"), ("explicit", launch.EXPLICIT_PACKET_ROWS // 8 - 1, "packets"),
+    ("explicit", 16, "flat"), ("explicit", launch.EXPLICIT_PACKET_ROWS // 8 - 1, "packets"),
     ("explicit", launch.EXPLICIT_PACKET_ROWS // 8, "heads"), ("implied", 1 << 16, "flat"),
     ("varlen", 16, "heads")])
 def test_packet_kernel_position_rules(rule, tokens, mapping):
-    """Explicit positions use packet_kernel below EXPLICIT_PACKET_ROWS rows
-    (tokens x heads) and rope_kernel from there on (a packet thread's table
-    read waits for its position read); cu_seqlens keep rope_kernel's token
-    blocks (one sequence search per block of several tokens)."""
+    """Explicit positions into a small table use flat_kernel; into a table
+    larger than FLAT_POSITIONS_TABLE_BYTES, packet_kernel below
+    EXPLICIT_PACKET_ROWS rows (tokens x heads) and rope_kernel from there on
+    (a packet thread's table read waits for its position read); cu_seqlens
+    keep rope_kernel's token blocks (one sequence search per block of
+    several tokens)."""
     from cupy_rope.interop import CUDA, Tensor
     from cupy_rope.validate import check_call
 
@@ -530,6 +532,83 @@ def test_flat_kernel_policy(case, mapping, split, partner_load):
             "heads" if case.startswith("partial") else "packets")
 
 
+@pytest.mark.parametrize("case,mapping", [
+    ("thd", "flat"), ("thd int64", "flat"), ("thd GPT-J", "flat"), ("bshd [s]", "flat"),
+    ("bshd [1, s]", "flat"), ("sbhd [s]", "flat"), ("bshd [b, s]", "packets"),
+    ("table over the byte bound", "packets"), ("positions over the byte bound", "packets"),
+    ("table rows at the byte bound", "flat"), ("float32", "packets"),
+    ("d80 NeoX", "packets"), ("split angles", "packets"), ("offsets per batch entry", "packets"),
+    ("FLAT_POSITIONS off", "packets"), ("in place, rotary 64", "flat")])
+def test_flat_kernel_explicit_positions_policy(monkeypatch, case, mapping):
+    """Explicit positions run flat_kernel when they follow the sequence index
+    alone ([t], [s], [1, s]), the table rows they can reach fit in
+    FLAT_POSITIONS_TABLE_BYTES, and the kernel would ask for those rows
+    late (16-bit x, rows that tile a warp or GPT-J, no split angles);
+    otherwise packet_kernel (these calls are small) as before. The
+    positions' stride and width reach FlatParams."""
+    from cupy_rope.validate import check_call
+
+    bound = launch.FLAT_POSITIONS_TABLE_BYTES
+    b, s, h, d, r = 1, 64, 32, 128, 128
+    layout, dtype, pos_dtype, interleaved = "thd", "bfloat16", "int32", False
+    table_rows = 4096
+    kw = {}
+    if case == "thd int64":
+        pos_dtype = "int64"
+    elif case == "thd GPT-J":
+        interleaved = True
+    elif case.startswith(("bshd", "sbhd")):
+        layout, b = case[:4], (1 if case == "bshd [1, s]" else 2)
+    elif case == "table over the byte bound":  # (16 heads: below EXPLICIT_PACKET_ROWS)
+        h, table_rows = 16, bound // (d * 4) + 1  # fp32 cos and sin: d * 4 bytes a row
+        s = table_rows
+    elif case == "positions over the byte bound":
+        h, table_rows, s = 16, 1 << 20, bound // (d * 4) + 1
+    elif case == "table rows at the byte bound":
+        h, table_rows = 16, bound // (d * 4)
+        s = table_rows
+    elif case == "float32":
+        dtype = "float32"
+    elif case == "d80 NeoX":
+        d = r = 80
+    elif case == "split angles":
+        h = 4  # 4 rows a position, 8 rows a block
+    elif case == "offsets per batch entry":
+        layout, b = "bshd", 2
+        kw["offsets"] = _dense((b,), (0,), "int32", 1 << 43)
+    elif case == "FLAT_POSITIONS off":
+        monkeypatch.setattr(launch, "FLAT_POSITIONS", False)
+    elif case.startswith("in place"):
+        r = 64
+        kw["inplace"] = True
+    if layout == "thd":
+        shape, pos_shape = (s, h, d), (s,)
+    else:
+        shape = (b, s, h, d) if layout == "bshd" else (s, b, h, d)
+        pos_shape = (b, s) if case in ("bshd [b, s]", "bshd [1, s]") else (s,)
+    pos_order = tuple(range(len(pos_shape)))
+    kw["positions"] = _dense(pos_shape, pos_order, pos_dtype, 1 << 42)
+    if "inplace" not in kw:
+        kw["out"] = _dense(shape, tuple(range(len(shape))), dtype, 1 << 44)
+    tab = _table(table_rows, r // 2)
+    call = check_call(_dense(shape, tuple(range(len(shape))), dtype), cos=tab, sin=tab,
+                      layout=layout, interleaved=interleaved, rotary_dim=r, **kw)
+    spec = launch.choose_spec(call)
+    assert spec.mapping == mapping
+    if mapping == "flat":
+        assert spec.pos_mode == "explicit" and not spec.split_angles
+        assert spec.name_expression().endswith(", 1, 1>")  # one slab, explicit positions
+        plan = launch.Plan.__new__(launch.Plan)
+        plan.spec, plan.buf = spec, bytes(launch._DYNAMIC.size) + launch.flat_fixed_params(
+            call, [(0, 0, 0, 0)], launch.flat_geometry(call))
+        fixed = launch.unpack_fixed(plan)
+        assert (fixed["pos_stride"], fixed["pos_is_64"]) == (1, int(pos_dtype == "int64"))
+        # the row's sequence index: rows per step (h for token-major x), no modulo
+        step = h * (b if layout == "sbhd" else 1)
+        assert fixed["slab[0].seq_len"] == (s if layout == "bshd" and b > 1 else 0)
+        assert launch.flat_geometry(call)[0][1] == step
+
+
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("k_heads", [0, 8])
 def test_flat_kernel_slab_count(monkeypatch, exact, k_heads):
@@ -550,7 +629,7 @@ def test_flat_kernel_slab_count(monkeypatch, exact, k_heads):
     spec = launch.choose_spec(call)
     assert spec.mapping == "flat"
     assert spec.slabs == ((2 if k_heads else 1) if exact else 0)
-    assert spec.name_expression().endswith(f", {spec.slabs}>")
+    assert spec.name_expression().endswith(f", {spec.slabs}, 0>")  # implied positions (0)
     geometry = launch.flat_geometry(call)
     _, _, slabs = launch.flat_shape(16, False, [rows for rows, _, _ in geometry])
     assert slabs[0][0] == 0 and len(slabs) == len(call.slabs)
