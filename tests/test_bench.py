@@ -306,6 +306,14 @@ def test_acceptance_thd_compares_the_positions_row_with_the_peers():
     assert by["1b"]["status"] == "FAIL"
     assert any(f.startswith("thd-n128 fwd positions") for f in by["1b"]["failures"])
     assert any(f.startswith("thd-n128 fwd positions: 0.900") for f in by["1a"]["failures"])
+    # an errored positions row fails both items, named as the positions row
+    for r in res["rows"]:
+        if r["impl"] == bench.OURS_POSITIONS and r["workload"] == "thd-n1":
+            r.update(status="error", note="boom", time_us=None, fraction_of_copy=None)
+            r.pop("speedup_vs_best_peer")
+    by = {it["item"]: it for it in bench.acceptance(res)}
+    assert "thd-n1 fwd positions: error" in by["1b"]["failures"]
+    assert "thd-n1 fwd positions: error (boom)" in by["1a"]["failures"]
 
 
 def _with_best_both(rows):

@@ -225,51 +225,83 @@ def test_partial_rotary_in_place_flat_and_heads_kernels_agree(rng, monkeypatch, 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 def test_flat_kernel_explicit_positions(rng, monkeypatch, interleaved, dtype, head_dim, mode):
     """Explicit positions that follow the sequence index alone (thd [t],
-    bshd / sbhd [s], bshd [1, s]; int32, int64, a strided view, a scalar
-    offset) run flat_kernel, which reads them at each row's sequence index:
-    every element written, rope_kernel's bits, close to float64; a device
-    position outside the table gives NaN in its token's rows, as in
-    rope_kernel."""
+    bshd / sbhd [s], bshd [1, s], [b, h, s, d] storage seen as bshd with
+    [s]; int32, int64, strided and reversed views, a scalar offset) run
+    flat_kernel, which reads them at each row's sequence index: every element
+    written, rope_kernel's bits, close to float64; device positions outside
+    the table (past it, negative) give NaN in their tokens' rows and leave the
+    others right, as in rope_kernel. In place, partial rotary too (the tail's
+    bits untouched)."""
     s, h, d = 9, 32, head_dim
     src = angle_sources(rng, dtype, d, ROWS)["table_f32"]
-    kw_dev = {k: to_device(v) for k, v in src.items()}
-    for layout, b, pos_shape, pos_dtype, strided, offset, outside in (
-            ("thd", 1, (s,), np.int32, False, 0, False),
-            ("thd", 1, (s,), np.int64, True, 3, False),
-            ("bshd", 2, (s,), np.int32, False, 0, False),
-            ("bshd", 1, (1, s), np.int64, False, 0, False),
-            ("sbhd", 2, (s,), np.int32, True, 0, False),
-            ("thd", 1, (s,), np.int32, False, 0, True)):
-        shape = {"thd": (s, h, d), "bshd": (b, s, h, d), "sbhd": (s, b, h, d)}[layout]
+    cases = [  # layout, storage, b, positions shape, dtype, view, offset, outside
+        ("thd", "thd", 1, (s,), np.int32, None, 0, False),
+        ("thd", "thd", 1, (s,), np.int64, "strided", 3, False),
+        ("thd", "thd", 1, (s,), np.int32, "reversed", 0, False),
+        ("bshd", "bshd", 2, (s,), np.int32, None, 0, False),
+        ("bshd", "bshd", 1, (1, s), np.int64, None, 0, False),
+        ("sbhd", "sbhd", 2, (s,), np.int32, "strided", 0, False),
+        ("bshd", "bhsd", 2, (s,), np.int32, None, 0, False),
+        ("thd", "thd", 1, (s,), np.int32, None, 0, True)]
+    for layout, storage, b, pos_shape, pos_dtype, view, offset, outside in cases:
+        shape = {"thd": (s, h, d), "bshd": (b, s, h, d), "sbhd": (s, b, h, d),
+                 "bhsd": (b, h, s, d)}[storage]
         x = rng.standard_normal(shape).astype(np_dtype(dtype))
         x_dev = to_device(x)
+        head_outside = storage == "bhsd"
+        if head_outside:  # output in x's memory order (flat_kernel needs x's strides)
+            x, x_dev = x.transpose(0, 2, 1, 3), x_dev.transpose(0, 2, 1, 3)
         pos = rng.integers(0, ROWS - offset, pos_shape)
+        bad = np.zeros(s, bool)
         if outside:
-            pos[3] = ROWS + 5
-        if strided:  # every other element of a longer array
+            pos[3], pos[5] = ROWS + 5, -2
+            bad[[3, 5]] = True
+        if view == "strided":  # every other element of a longer array
             wide = np.zeros(pos_shape[:-1] + (2 * s,), dtype=pos_dtype)
             wide[..., ::2] = pos
             pos_dev = to_device(wide)[..., ::2]
+        elif view == "reversed":  # a negative stride
+            pos_dev = to_device(pos[..., ::-1].astype(pos_dtype))[..., ::-1]
         else:
             pos_dev = to_device(pos.astype(pos_dtype))
-        kw = dict(kw_dev, positions=pos_dev)
+        kw = dict({k: to_device(v) for k, v in src.items()}, positions=pos_dev)
+        # NeoX pairs on rows stored head-major lie at several positions a
+        # block (split angles): packet_kernel keeps those
+        want_kind = "packets" if head_outside and not interleaved else "flat"
         for backward in (False, True):
             common = dict(layout=layout, interleaved=interleaved, backward=backward)
             if offset:
                 common["offsets"] = offset
-            got_f, kind_f, _ = _run("flat", monkeypatch, x_dev, kw, mode, dtype, **common)
-            got_h, kind_h, _ = _run("heads", monkeypatch, x_dev, kw, mode, dtype, **common)
-            what = f"{layout} positions {pos_shape} {np.dtype(pos_dtype)} strided={strided} " \
-                   f"offset={offset} outside={outside} backward={backward}"
-            assert (kind_f, kind_h) == ("flat", "heads"), what
+            got_f, kind_f, _ = _run("flat", monkeypatch, x_dev, kw, mode, dtype,
+                                    head_outside, **common)
+            got_h, kind_h, _ = _run("heads", monkeypatch, x_dev, kw, mode, dtype,
+                                    head_outside, **common)
+            what = (f"{storage} as {layout} positions {pos_shape} {np.dtype(pos_dtype)} "
+                    f"{view} offset={offset} outside={outside} backward={backward}")
+            assert (kind_f, kind_h) == (want_kind, "heads"), what
             assert np.array_equal(bits(got_f), bits(got_h)), what
+            plain = {k: v for k, v in common.items() if k != "offsets"}
             if outside:
-                assert np.isnan(got_f[3].astype(np.float32)).all(), what
-                assert not np.isnan(np.delete(got_f, 3, axis=0).astype(np.float32)).any(), what
+                assert np.isnan(got_f[bad].astype(np.float32)).all(), what
+                want = oracle(x[~bad], **src, positions=pos[~bad].astype(np.int64), **plain)
+                assert_close(got_f[~bad], want, dtype, what)
             else:
-                want = oracle(x, **src, positions=pos.astype(np.int64) + offset, **{
-                    k: v for k, v in common.items() if k != "offsets"})
+                want = oracle(x, **src, positions=pos.astype(np.int64) + offset, **plain)
                 assert_close(got_f, want, dtype, what)
+    if mode == "inplace":  # partial rotary: the rotated packets of each row only
+        r = d // 2
+        part = angle_sources(rng, dtype, r, ROWS)["table_f32"]
+        x = rng.standard_normal((s, h, d)).astype(np_dtype(dtype))
+        pos = rng.integers(0, ROWS, (s,))
+        kw = dict({k: to_device(v) for k, v in part.items()},
+                  positions=to_device(pos.astype(np.int32)))
+        common = dict(layout="thd", interleaved=interleaved, rotary_dim=r)
+        got_f, kind_f, _ = _run("flat", monkeypatch, to_device(x), kw, mode, dtype, **common)
+        got_h, kind_h, _ = _run("heads", monkeypatch, to_device(x), kw, mode, dtype, **common)
+        assert (kind_f, kind_h) == ("flat", "heads")
+        assert np.array_equal(bits(got_f), bits(got_h))
+        assert np.array_equal(bits(got_f[..., r:]), bits(x[..., r:]))  # untouched
+        assert_close(got_f, oracle(x, **part, positions=pos.astype(np.int64), **common), dtype)
 
 
 @pytest.mark.parametrize("pos_dtype", [np.int32, np.int64])

@@ -536,7 +536,9 @@ def test_flat_kernel_policy(case, mapping, split, partner_load):
     ("thd", "flat"), ("thd int64", "flat"), ("thd GPT-J", "flat"), ("bshd [s]", "flat"),
     ("bshd [1, s]", "flat"), ("sbhd [s]", "flat"), ("bshd [b, s]", "packets"),
     ("table over the byte bound", "packets"), ("positions over the byte bound", "packets"),
-    ("table rows at the byte bound", "flat"), ("float32", "packets"),
+    ("table rows at the byte bound", "flat"), ("large table, few positions", "flat"),
+    ("many positions, small table", "flat"),
+    ("strided positions", "flat"), ("float32", "packets"),
     ("d80 NeoX", "packets"), ("split angles", "packets"), ("offsets per batch entry", "packets"),
     ("FLAT_POSITIONS off", "packets"), ("in place, rotary 64", "flat")])
 def test_flat_kernel_explicit_positions_policy(monkeypatch, case, mapping):
@@ -567,6 +569,10 @@ def test_flat_kernel_explicit_positions_policy(monkeypatch, case, mapping):
     elif case == "table rows at the byte bound":
         h, table_rows = 16, bound // (d * 4)
         s = table_rows
+    elif case == "large table, few positions":  # decode into a long cos/sin cache
+        table_rows = 1 << 20
+    elif case == "many positions, small table":  # packed short sequences
+        h, s, table_rows = 16, 2 * bound // (d * 4), 64
     elif case == "float32":
         dtype = "float32"
     elif case == "d80 NeoX":
@@ -588,6 +594,13 @@ def test_flat_kernel_explicit_positions_policy(monkeypatch, case, mapping):
         pos_shape = (b, s) if case in ("bshd [b, s]", "bshd [1, s]") else (s,)
     pos_order = tuple(range(len(pos_shape)))
     kw["positions"] = _dense(pos_shape, pos_order, pos_dtype, 1 << 42)
+    pos_stride = 1
+    if case == "strided positions":  # every third element of a longer array
+        from cupy_rope.interop import CUDA, Tensor
+
+        pos_stride = 3
+        kw["positions"] = Tensor(None, "cupy", 1 << 42, pos_shape, (3,), pos_dtype, (CUDA, 0),
+                                 False)
     if "inplace" not in kw:
         kw["out"] = _dense(shape, tuple(range(len(shape))), dtype, 1 << 44)
     tab = _table(table_rows, r // 2)
@@ -602,7 +615,8 @@ def test_flat_kernel_explicit_positions_policy(monkeypatch, case, mapping):
         plan.spec, plan.buf = spec, bytes(launch._DYNAMIC.size) + launch.flat_fixed_params(
             call, [(0, 0, 0, 0)], launch.flat_geometry(call))
         fixed = launch.unpack_fixed(plan)
-        assert (fixed["pos_stride"], fixed["pos_is_64"]) == (1, int(pos_dtype == "int64"))
+        assert (fixed["pos_stride"], fixed["pos_is_64"]) == (pos_stride,
+                                                            int(pos_dtype == "int64"))
         # the row's sequence index: rows per step (h for token-major x), no modulo
         step = h * (b if layout == "sbhd" else 1)
         assert fixed["slab[0].seq_len"] == (s if layout == "bshd" and b > 1 else 0)
