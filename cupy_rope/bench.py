@@ -1234,7 +1234,7 @@ def format_table(result) -> str:
                          f"{mb:.1f} MB moved")
         if r["status"] in ("ok", "mismatch"):
             sp = r.get("speedup_vs_best_peer")
-            sps = f"{sp:6.2f}x" if sp is not None else f"{'':7s}"
+            sps = f"{sp:6.3f}x" if sp is not None else f"{'':7s}"
             note = r["note"]
             if r["impl"] in OURS_IMPLS and "best_peer" in r:
                 note = f"best peer {r['best_peer']}; {note}"

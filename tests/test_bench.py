@@ -356,7 +356,7 @@ def test_format_table_and_json(tmp_path):
     assert lines[0].startswith("device: Fake GPU")
     assert any("d2d copy" in ln and "thd-n1" in ln for ln in lines)
     ours = [ln for ln in lines if "sbhd-4096x1x128x128" in ln and bench.OURS in ln]
-    assert len(ours) == 2 and all("3.00x" in ln and "best peer torch-eager" in ln for ln in ours)
+    assert len(ours) == 2 and all("3.000x" in ln and "best peer torch-eager" in ln for ln in ours)
     assert any("liger" in ln and "n/a" in ln for ln in lines)
     assert any("flashinfer" in ln and "error" in ln for ln in lines)
     acc = bench.format_acceptance(res["acceptance"])
