@@ -20,7 +20,7 @@ import struct
 import threading
 
 from . import interop
-from .specialize import Spec, get_kernel
+from .specialize import ITEMSIZE, Spec, get_kernel
 from .validate import AXES, EXPLICIT, IMPLIED, VARLEN, Call, disjoint_at, lattice, rel_span
 
 MAX_VECTOR_BYTES = 16  # widest single global load/store
@@ -113,6 +113,18 @@ FLAT_EXACT_SLABS = True
 # (docs/perf-notes.md v19). False: every explicit call as before.
 FLAT_POSITIONS = True
 FLAT_POSITIONS_TABLE_BYTES = 4 << 20
+# Calls with implied positions that walk this many bytes of x or more ask
+# for their table rows early even where flat_kernel would ask late (16-bit
+# rows that tile a warp, or GPT-J, without split angles): on sbhd tensors
+# of 512 MiB and more the late rows cost 1.5-4% (bf16 on the H100, of a
+# same-run copy, late / early: [256, 8192, 1, 128] 0.970 / 1.010, [32768,
+# 1, 128, 128] 0.969 / 0.997, [16384, 1, 128, 128] 0.990 / 1.006, [4096,
+# 4, 128, 128] 0.992 / 1.011; bshd [1, 131072, 32, 128] 0.958 / 0.974;
+# bshd [16, 8192, 32, 128] 1.006 / 1.004), where at 256 MiB and below they
+# won (the benchmark's rows by 0.2-0.5%) or tied. Explicit positions keep
+# them late (thd [65536, 32, 128], 512 MiB: 1.011 late, 0.956 early;
+# docs/perf-notes.md v19).
+FLAT_EARLY_TABLES_BYTES = 512 << 20
 MAX_PACKET_UNITS = 1 << 31  # packet_kernel indexes a slab's units in 32 bits
 MAX_SLABS = 3
 MAX_HEADS = 1 << 30  # heads per token (kernels/rope.cu indexes heads in 32 bits)
@@ -313,16 +325,20 @@ def choose_spec(call: Call, packets: bool = True, flat: bool = True) -> Spec:
         block_rows = FLAT_THREADS // 32 * (32 // row_packets) if shuffle else 0
         split = shuffle and any(0 < step < block_rows for _, step, _ in geometry)
         if call.pos_mode == EXPLICIT:
-            late_tables = (item == 2 and not split and not partner_load
-                           and (call.interleaved or 32 % row_packets == 0))
+            late_tables = flat_late_tables(item, split, partner_load, call.interleaved,
+                                           row_packets)
             reachable = min(call.positions.shape[-1], call.max_position)
             row_bytes = sum(t.itemsize for t in tables) * half
             if not late_tables or reachable * row_bytes > FLAT_POSITIONS_TABLE_BYTES:
                 geometry = None
     if geometry is not None:
+        walked = sum(rows for rows, _, _ in geometry) * r * item  # bytes of x the call reads
+        early = (call.pos_mode == IMPLIED and walked >= FLAT_EARLY_TABLES_BYTES
+                 and flat_late_tables(item, split, partner_load, call.interleaved, row_packets))
         return dataclasses.replace(spec, unroll=1, mapping="flat", split_angles=split,
                                    partner_load=partner_load,
-                                   slabs=len(call.slabs) if FLAT_EXACT_SLABS else 0)
+                                   slabs=len(call.slabs) if FLAT_EXACT_SLABS else 0,
+                                   early_tables=early)
     packet_spec = dataclasses.replace(spec, unroll=1, mapping="packets")
     units = packet_spec.rot_items  # packet_kernel threads per head
     # (NeoX packets tile each half by the choice of `pairs`; a GPT-J thread's
@@ -426,6 +442,14 @@ def packet_shape(units_per_row: int, slab_heads: tuple, tokens: int):
         slabs.append((begin, 0, 0, 0))
         begin += -(-tokens * h * units_per_row // PACKET_THREADS)
     return (begin, 1, 1), (PACKET_THREADS, 1, 1), slabs
+
+
+def flat_late_tables(itemsize: int, split: bool, partner_load: bool, interleaved: bool,
+                     row_packets: int) -> bool:
+    """Does flat_kernel ask for these rows' cos/sin once x has arrived
+    (kernels/flat.cu LATE_TABLES, unless EARLY_TABLES)?"""
+    return (itemsize == 2 and not split and not partner_load
+            and (interleaved or 32 % row_packets == 0))
 
 
 def flat_geometry(call: Call):
@@ -975,4 +999,10 @@ def shipped_specs() -> list:
     # no flat call has three.)
     specs += [dataclasses.replace(sp, slabs=2) for sp in specs
               if sp.mapping == "flat" and sp.slabs]
+    # flat_kernel asking for its table rows early in large calls (implied
+    # positions, FLAT_EARLY_TABLES_BYTES), where it would ask late.
+    specs += [dataclasses.replace(sp, early_tables=True) for sp in specs
+              if sp.mapping == "flat" and sp.pos_mode == "implied" and flat_late_tables(
+                  ITEMSIZE[sp.dtype], sp.split_angles, sp.partner_load, sp.interleaved,
+                  sp.rotary_dim // sp.vec)]
     return sorted(set(specs), key=repr)

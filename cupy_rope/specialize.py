@@ -75,6 +75,9 @@ class Spec:
     # flat_kernel: the call's slab count (x alone: 1; q and k: 2), or 0 for
     # a kernel that takes any count and picks each block's slab at run time.
     slabs: int = 0
+    # flat_kernel, 16-bit rows that would ask for their table rows once x has
+    # arrived (kernels/flat.cu LATE_TABLES): ask early instead (large calls).
+    early_tables: bool = False
 
     @property
     def source_file(self) -> str:
@@ -117,7 +120,8 @@ class Spec:
             return "rope::flat_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),
                 str(self.rotary_dim), b(self.interleaved), b(self.split_angles),
-                b(self.partner_load), str(self.slabs), str(POS_MODES[self.pos_mode])]) + ">"
+                b(self.partner_load), str(self.slabs), str(POS_MODES[self.pos_mode]),
+                b(self.early_tables)]) + ">"
         if self.mapping == "packets":
             return "rope::packet_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),

@@ -102,6 +102,15 @@ __device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
 // 10 packets, 2 idle lanes a warp) 0.5-1.8% and partner loads 0.7-1.9%, and
 // moved fp32 by -0.3% to +0.7%: those ask for them early.
 //
+// EARLY_TABLES: those rows ask early after all (the launcher sets it for
+// calls with implied positions that walk 512 MiB of x or more,
+// launch.FLAT_EARLY_TABLES_BYTES). On such sbhd tensors the late rows
+// cost 1.5-4% (bf16 on the H100, of a same-run copy: [256, 8192, 1, 128]
+// 0.970 late, 1.010 early; [32768, 1, 128, 128] 0.969 / 0.997; [16384,
+// 1, 128, 128] 0.990 / 1.006; bshd [1, 131072, 32, 128] 0.958 / 0.974),
+// while bshd [16, 8192, 32, 128] moved by 0.2% and every tensor of 256 MiB
+// or less ran as fast or faster late (docs/perf-notes.md v19).
+//
 // PARTNER_LOAD (NeoX, out of place only): a thread loads its rotation
 // partner itself (the packet HALF away, which its own thread loads too: an
 // L1 hit) instead of taking it from another lane, so rows need not tile a
@@ -115,7 +124,7 @@ __device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
 // `positions` at that index (positions that depend on the sequence index
 // alone: thd [t], or [s] / [1, s] for bshd and sbhd), read alongside x.
 template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERLEAVED,
-          bool SPLIT_ANGLES, bool PARTNER_LOAD, int SLABS, int POS_MODE>
+          bool SPLIT_ANGLES, bool PARTNER_LOAD, int SLABS, int POS_MODE, bool EARLY_TABLES>
 __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(const FlatParams p) {
   static_assert(SLABS >= 0 && SLABS <= MAX_SLABS, "a slab count, or 0 for any");
   static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
@@ -131,8 +140,8 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   constexpr bool SHUFFLE = !INTERLEAVED && !PARTNER_LOAD;  // NeoX partner from another lane
   static_assert(!SHUFFLE || PACKETS <= 32, "NeoX by shuffle: a head row within one warp");
   static_assert(!(SPLIT_ANGLES && !SHUFFLE), "split angles: NeoX with the partner by shuffle");
-  constexpr bool LATE_TABLES =
-      sizeof(T) == 2 && !SPLIT_ANGLES && !PARTNER_LOAD && (INTERLEAVED || 32 % PACKETS == 0);
+  constexpr bool LATE_TABLES = sizeof(T) == 2 && !SPLIT_ANGLES && !PARTNER_LOAD &&
+                               (INTERLEAVED || 32 % PACKETS == 0) && !EARLY_TABLES;
   // Lanes of a warp that hold packets: NeoX by shuffle, whole head rows (d80
   // bf16: 3 rows of 10 packets, 2 lanes idle); otherwise all 32.
   constexpr int LANES = SHUFFLE ? (32 / PACKETS) * PACKETS : 32;

@@ -225,6 +225,26 @@ def flat_rows():
                              interleaved=interleaved, inplace=inplace),
                         inplace_arrays=(0,) if inplace else ())
                     n += 1
+    # table rows asked for early (what calls of 512 MiB or more do), here for
+    # small ones: launch.FLAT_EARLY_TABLES_BYTES lowered to 0
+    from cupy_rope import api, launch
+    shipped = launch.FLAT_EARLY_TABLES_BYTES
+    launch.FLAT_EARLY_TABLES_BYTES = 0
+    api._plans.clear()
+    try:
+        for d in (64, 128):
+            cos, sin = tables(d, 40)
+            for interleaved in (False, True):
+                for r, inplace in ((d, False), (d, True), (d // 2, True)):
+                    run(f"flat early tables d{d} r{r} gptj={interleaved} inplace={inplace}",
+                        cupy_rope.apply_rope, "bfloat16", [normal((7, 2, 16, d), "bfloat16")],
+                        dict(cos=cos[:, :r // 2], sin=sin[:, :r // 2], rotary_dim=r,
+                             layout="sbhd", interleaved=interleaved, inplace=inplace),
+                        inplace_arrays=(0,) if inplace else ())
+                    n += 1
+    finally:
+        launch.FLAT_EARLY_TABLES_BYTES = shipped
+        api._plans.clear()
     return n
 
 

@@ -5,8 +5,8 @@ single-tensor shapes), alternating, with torch.compile in the same process
     PYTHONPATH=.:scripts python scripts/variant_probe.py WORKLOADS REPS VARIANT [VARIANT ...]
 
 WORKLOADS: comma-separated cupy_rope.bench names, or LAYOUT:D0xD1xD2xD3 for
-a single tensor of that shape (bf16, out of place, fp32 [P, r/2] tables, as
-the benchmark's sbhd rows); REPS: rounds (each round times every variant,
+a single tensor of that shape (bf16, or LAYOUT:D0xD1xD2xD3:float32; out of
+place, fp32 [P, r/2] tables, as the benchmark's sbhd rows); REPS: rounds (each round times every variant,
 forward and backward, then torch.compile once); VARIANT: NAME:SETTING,...
 with SETTING a cupy_rope.launch attribute ATTR=VALUE (ATTR[KEY]=VALUE sets a
 dict's entry; FLAT_CARVEOUT exists with results/h100-2026-11-24/
@@ -27,13 +27,15 @@ from quick_perf import parse_variant, set_policy, use_macros
 
 
 def workload(name: str):
-    """A cupy_rope.bench workload, or a single tensor of LAYOUT:D0xD1xD2xD3."""
+    """A cupy_rope.bench workload, or a single tensor of LAYOUT:D0xD1xD2xD3
+    (bf16; LAYOUT:D0xD1xD2xD3:DTYPE for float32 or float16)."""
     if ":" not in name:
         return bench.select_workloads([name])[0]
-    layout, dims = name.split(":")
+    layout, dims, *dtype = name.split(":")
+    dtype = dtype[0] if dtype else "bfloat16"
     shape = tuple(int(v) for v in dims.split("x"))
-    return bench.Workload(f"{layout}-{dims}", f"bf16 {layout} {list(shape)}", "single",
-                          layout, shape)
+    return bench.Workload(name.replace(":", "-"), f"{dtype} {layout} {list(shape)}", "single",
+                          layout, shape, dtype)
 
 
 def main():

@@ -335,3 +335,32 @@ def test_flat_kernel_explicit_positions_q_and_k_decode(rng, monkeypatch, pos_dty
         want = oracle(x.reshape(t, heads, d), **src, positions=pos.astype(np.int64),
                       layout="thd")
         assert_close(got["flat"][i].reshape(t, heads, d), want, dtype="bfloat16", what=name)
+
+
+@pytest.mark.parametrize("mode", ["out", "inplace"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_flat_kernel_early_and_late_tables_agree(rng, monkeypatch, interleaved, dtype,
+                                                 head_dim, mode):
+    """flat_kernel asking for its table rows early (large calls,
+    launch.FLAT_EARLY_TABLES_BYTES, here lowered to 0) and late gives the
+    same bits, close to float64; in place with partial rotary too (the
+    tail's bits untouched)."""
+    s, b, h, d = 9, 2, 32, head_dim
+    shipped = launch.FLAT_EARLY_TABLES_BYTES
+    for r in (d, d // 2) if mode == "inplace" else (d,):
+        x = rng.standard_normal((s, b, h, d)).astype(np_dtype(dtype))
+        src = angle_sources(rng, dtype, r, ROWS)["table_f32"]
+        kw = {k: to_device(v) for k, v in src.items()}
+        got = {}
+        for bound in (shipped, 0):
+            monkeypatch.setattr(launch, "FLAT_EARLY_TABLES_BYTES", bound)
+            common = dict(layout="sbhd", interleaved=interleaved, rotary_dim=r)
+            out, kind, _ = _run("flat", monkeypatch, to_device(x), kw, mode, dtype, **common)
+            (prepared,) = api._plans.values()
+            assert kind == "flat" and prepared.plan.spec.early_tables == (bound == 0)
+            got[bound] = out
+        assert np.array_equal(bits(got[0]), bits(got[shipped])), r
+        assert np.array_equal(bits(got[0][..., r:]), bits(x[..., r:])), r  # untouched
+        assert_close(got[0], oracle(x, **src, **common), dtype, f"r={r}")

@@ -610,7 +610,8 @@ def test_flat_kernel_explicit_positions_policy(monkeypatch, case, mapping):
     assert spec.mapping == mapping
     if mapping == "flat":
         assert spec.pos_mode == "explicit" and not spec.split_angles
-        assert spec.name_expression().endswith(", 1, 1>")  # one slab, explicit positions
+        # one slab, explicit positions, table rows late (never early for positions)
+        assert spec.name_expression().endswith(", 1, 1, false>")
         plan = launch.Plan.__new__(launch.Plan)
         plan.spec, plan.buf = spec, bytes(launch._DYNAMIC.size) + launch.flat_fixed_params(
             call, [(0, 0, 0, 0)], launch.flat_geometry(call))
@@ -621,6 +622,58 @@ def test_flat_kernel_explicit_positions_policy(monkeypatch, case, mapping):
         step = h * (b if layout == "sbhd" else 1)
         assert fixed["slab[0].seq_len"] == (s if layout == "bshd" and b > 1 else 0)
         assert launch.flat_geometry(call)[0][1] == step
+
+
+@pytest.mark.parametrize("case,early", [
+    ("sbhd at the bound", True), ("sbhd below the bound", False), ("bshd q + k at the bound", True),
+    ("GPT-J at the bound", True), ("float32 at the bound", False),
+    ("split angles at the bound", False), ("explicit positions at the bound", False),
+    ("in place rotary 64, bytes walked below the bound", False),
+    ("in place rotary 64, bytes walked at the bound", True)])
+def test_flat_kernel_early_tables_for_large_calls(monkeypatch, case, early):
+    """flat_kernel rows that would ask for their table rows late ask early
+    in calls with implied positions that walk FLAT_EARLY_TABLES_BYTES of x
+    or more (the rotated channels of every slab); never for explicit
+    positions, and the rows that ask early anyway are unchanged."""
+    from cupy_rope.validate import check_call
+
+    bound = 1 << 20  # a small bound, so that the shapes stay small
+    monkeypatch.setattr(launch, "FLAT_EARLY_TABLES_BYTES", bound)
+    d, r, dtype, interleaved, h, kw = 128, 128, "bfloat16", False, 32, {}
+    item = 4 if case.startswith("float32") else 2
+    rows = bound // (d * item)  # bytes of x at the bound
+    if case.startswith("split"):
+        h = 4  # 4 rows a position, 8 rows a block
+    if "below" in case:
+        rows -= h
+    if case.startswith("float32"):
+        dtype = "float32"
+    if case.startswith("GPT-J"):
+        interleaved = True
+    if case.startswith("in place"):
+        r = 64
+        rows = bound // (r * 2) - (h if "below" in case else 0)
+        kw["inplace"] = True
+    s = rows // h
+    layout = "bshd" if case.startswith("bshd") else "sbhd"
+    shape = (s, 1, h, d) if layout == "sbhd" else (1, s, h, d)
+    if case.startswith("bshd q + k"):  # q 24 heads and k 8: the bytes of both
+        shape, kw["k"] = (1, s, 24, d), _dense((1, s, 8, d), (0, 1, 2, 3), dtype, 1 << 45)
+        kw["out_k"] = _dense((1, s, 8, d), (0, 1, 2, 3), dtype, 1 << 46)
+    if case.startswith("explicit"):
+        kw["positions"] = _dense((s,), (0,), "int32", 1 << 43)
+    if "inplace" not in kw:
+        kw["out"] = _dense(shape, (0, 1, 2, 3), dtype, 1 << 44)
+    tab = _table(s, r // 2)
+    call = check_call(_dense(shape, (0, 1, 2, 3), dtype), cos=tab, sin=tab, layout=layout,
+                      interleaved=interleaved, rotary_dim=r, **kw)
+    spec = launch.choose_spec(call)
+    assert spec.mapping == "flat"
+    assert spec.early_tables == early
+    assert spec.name_expression().endswith(f", {'true' if early else 'false'}>")
+    assert spec in launch.shipped_specs()  # compiled on CPU CI too
+    monkeypatch.setattr(launch, "FLAT_EARLY_TABLES_BYTES", 512 << 20)
+    assert not launch.choose_spec(call).early_tables  # the shipped bound: these calls are small
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -643,7 +696,8 @@ def test_flat_kernel_slab_count(monkeypatch, exact, k_heads):
     spec = launch.choose_spec(call)
     assert spec.mapping == "flat"
     assert spec.slabs == ((2 if k_heads else 1) if exact else 0)
-    assert spec.name_expression().endswith(f", {spec.slabs}, 0>")  # implied positions (0)
+    # implied positions (0), table rows as the kernel's rule asks for them
+    assert spec.name_expression().endswith(f", {spec.slabs}, 0, false>")
     geometry = launch.flat_geometry(call)
     _, _, slabs = launch.flat_shape(16, False, [rows for rows, _, _ in geometry])
     assert slabs[0][0] == 0 and len(slabs) == len(call.slabs)
