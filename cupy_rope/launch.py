@@ -116,7 +116,7 @@ FLAT_POSITIONS_TABLE_BYTES = 4 << 20
 # Calls with implied positions that walk this many bytes of x or more ask
 # for their table rows early even where flat_kernel would ask late (16-bit
 # rows that tile a warp, or GPT-J, without split angles): on sbhd tensors
-# of 512 MiB and more the late rows cost 1.5-4% (bf16 on the H100, of a
+# of 512 MiB and more the late rows cost 0.4-4% (bf16 on the H100, of a
 # same-run copy, late / early: [256, 8192, 1, 128] 0.970 / 1.010, [32768,
 # 1, 128, 128] 0.969 / 0.997, [16384, 1, 128, 128] 0.990 / 1.006, [4096,
 # 4, 128, 128] 0.992 / 1.011; bshd [1, 131072, 32, 128] 0.958 / 0.974;

@@ -105,11 +105,12 @@ __device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
 // EARLY_TABLES: those rows ask early after all (the launcher sets it for
 // calls with implied positions that walk 512 MiB of x or more,
 // launch.FLAT_EARLY_TABLES_BYTES). On such sbhd tensors the late rows
-// cost 1.5-4% (bf16 on the H100, of a same-run copy: [256, 8192, 1, 128]
+// cost 0.4-4% (bf16 on the H100, of a same-run copy: [256, 8192, 1, 128]
 // 0.970 late, 1.010 early; [32768, 1, 128, 128] 0.969 / 0.997; [16384,
-// 1, 128, 128] 0.990 / 1.006; bshd [1, 131072, 32, 128] 0.958 / 0.974),
-// while bshd [16, 8192, 32, 128] moved by 0.2% and every tensor of 256 MiB
-// or less ran as fast or faster late (docs/perf-notes.md v19).
+// 1, 128, 128] 0.990 / 1.006; [8192, 256, 1, 128] 1.006 / 1.010; bshd
+// [1, 131072, 32, 128] 0.958 / 0.974), while bshd [8 or 16, 8192, 32, 128]
+// moved by 0.2% and every tensor of 256 MiB or less ran as fast or faster
+// late (docs/perf-notes.md v20).
 //
 // PARTNER_LOAD (NeoX, out of place only): a thread loads its rotation
 // partner itself (the packet HALF away, which its own thread loads too: an

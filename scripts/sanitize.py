@@ -242,6 +242,11 @@ def flat_rows():
                              layout="sbhd", interleaved=interleaved, inplace=inplace),
                         inplace_arrays=(0,) if inplace else ())
                     n += 1
+            run(f"flat early tables q+k d{d}", cupy_rope.apply_rope_qk, "bfloat16",
+                [normal((7, 2, 16, d), "bfloat16"), normal((7, 2, 8, d), "bfloat16")],
+                dict(cos=cos, sin=sin, layout="sbhd"))
+            n += 1
+        assert all(p.plan.spec.early_tables for p in api._plans.values())
     finally:
         launch.FLAT_EARLY_TABLES_BYTES = shipped
         api._plans.clear()

@@ -364,3 +364,23 @@ def test_flat_kernel_early_and_late_tables_agree(rng, monkeypatch, interleaved, 
         assert np.array_equal(bits(got[0]), bits(got[shipped])), r
         assert np.array_equal(bits(got[0][..., r:]), bits(x[..., r:])), r  # untouched
         assert_close(got[0], oracle(x, **src, **common), dtype, f"r={r}")
+    if mode == "out":  # q and k in one launch (two slabs)
+        q = rng.standard_normal((s, b, h, d)).astype(np_dtype(dtype))
+        k = rng.standard_normal((s, b, 8, d)).astype(np_dtype(dtype))
+        src = angle_sources(rng, dtype, d, ROWS)["table_f32"]
+        kw = {n: to_device(v) for n, v in src.items()}
+        got = {}
+        for bound in (shipped, 0):
+            monkeypatch.setattr(launch, "FLAT_EARLY_TABLES_BYTES", bound)
+            monkeypatch.setattr(api, "_plans", {})
+            outs = (full_nan(q.shape, dtype), full_nan(k.shape, dtype))
+            cupy_rope.apply_rope_qk(to_device(q), to_device(k), **kw, layout="sbhd",
+                                    interleaved=interleaved, out_q=outs[0], out_k=outs[1])
+            (prepared,) = api._plans.values()
+            spec = prepared.plan.spec
+            assert (spec.mapping, spec.slabs, spec.early_tables) == ("flat", 2, bound == 0)
+            got[bound] = [to_host(o) for o in outs]
+        for i, x in enumerate((q, k)):
+            assert np.array_equal(bits(got[0][i]), bits(got[shipped][i])), i
+            assert_close(got[0][i], oracle(x, **src, layout="sbhd", interleaved=interleaved),
+                         dtype, f"slab {i}")

@@ -627,6 +627,7 @@ def test_flat_kernel_explicit_positions_policy(monkeypatch, case, mapping):
 @pytest.mark.parametrize("case,early", [
     ("sbhd at the bound", True), ("sbhd below the bound", False), ("bshd q + k at the bound", True),
     ("GPT-J at the bound", True), ("float32 at the bound", False),
+    ("d80 GPT-J at the bound", True), ("d80 NeoX at the bound", False),
     ("split angles at the bound", False), ("explicit positions at the bound", False),
     ("in place rotary 64, bytes walked below the bound", False),
     ("in place rotary 64, bytes walked at the bound", True)])
@@ -640,6 +641,9 @@ def test_flat_kernel_early_tables_for_large_calls(monkeypatch, case, early):
     bound = 1 << 20  # a small bound, so that the shapes stay small
     monkeypatch.setattr(launch, "FLAT_EARLY_TABLES_BYTES", bound)
     d, r, dtype, interleaved, h, kw = 128, 128, "bfloat16", False, 32, {}
+    if case.startswith("d80"):  # rows of 10 packets: GPT-J asks late, NeoX early anyway
+        d = r = 80
+        interleaved = "GPT-J" in case
     item = 4 if case.startswith("float32") else 2
     rows = bound // (d * item)  # bytes of x at the bound
     if case.startswith("split"):
@@ -654,7 +658,7 @@ def test_flat_kernel_early_tables_for_large_calls(monkeypatch, case, early):
         r = 64
         rows = bound // (r * 2) - (h if "below" in case else 0)
         kw["inplace"] = True
-    s = rows // h
+    s = rows // h if "below" in case else -(-rows // h)  # at the bound: at least its bytes
     layout = "bshd" if case.startswith("bshd") else "sbhd"
     shape = (s, 1, h, d) if layout == "sbhd" else (1, s, h, d)
     if case.startswith("bshd q + k"):  # q 24 heads and k 8: the bytes of both
@@ -672,8 +676,23 @@ def test_flat_kernel_early_tables_for_large_calls(monkeypatch, case, early):
     assert spec.early_tables == early
     assert spec.name_expression().endswith(f", {'true' if early else 'false'}>")
     assert spec in launch.shipped_specs()  # compiled on CPU CI too
-    monkeypatch.setattr(launch, "FLAT_EARLY_TABLES_BYTES", 512 << 20)
+    monkeypatch.undo()
     assert not launch.choose_spec(call).early_tables  # the shipped bound: these calls are small
+
+
+@pytest.mark.parametrize("s,early", [(16383, False), (16384, True)])
+def test_flat_kernel_early_tables_from_512_mib(s, early):
+    """The shipped bound: bf16 sbhd [s, 1, 128, 128] asks for its table rows
+    late below 512 MiB of x and early from there on."""
+    from cupy_rope.validate import check_call
+
+    shape, d = (s, 1, 128, 128), 128
+    tab = _table(s, d // 2)
+    call = check_call(_dense(shape, (0, 1, 2, 3)), cos=tab, sin=tab, layout="sbhd",
+                      out=_dense(shape, (0, 1, 2, 3), "bfloat16", 1 << 44))
+    assert s * 128 * d * 2 - (512 << 20) == (0 if early else -128 * d * 2)
+    spec = launch.choose_spec(call)
+    assert (spec.mapping, spec.early_tables) == ("flat", early)
 
 
 @pytest.mark.parametrize("exact", [True, False])
