@@ -125,6 +125,20 @@ FLAT_POSITIONS_TABLE_BYTES = 4 << 20
 # them late (thd [65536, 32, 128], 512 MiB: 1.011 late, 0.956 early;
 # docs/perf-notes.md v19).
 FLAT_EARLY_TABLES_BYTES = 512 << 20
+# fp32 calls out of place with full rotary whose rows' positions never
+# decrease through memory (no axis stored outside the sequence axis: sbhd,
+# thd, bshd with one batch entry) load x with an L2 evict-last policy, as
+# torch.compile's kernel does (kernels/flat.cu X_EVICT_LAST). fp32 on the
+# H100, of a same-run copy: sbhd [128, 8192, 1, 128] 1.006 -> 1.013 (three
+# runs 1.013-1.018; torch.compile 1.010-1.014), [1024, 16, 8, 128] 1.001 ->
+# 1.015, [256, 32, 32, 128] 0.996 -> 1.011, [8192, 1, 32, 128] 0.995 ->
+# 1.001, d64 sbhd +0.8%, bshd [1, 32768, 8, 128] 0.942 -> 0.955. Where a
+# batch axis lies outside the sequence it lost (bshd [8, 4096, 8, 128] 0.999
+# -> 0.958, [4, 4096, 16, 256] -2.3%), and 16-bit rows lost 0.5-4.3%
+# (docs/perf-notes.md v20). In place, partial rotary and the NeoX rows that
+# load their partner (fp32 d80 / d96 / d256) are unmeasured or excluded and
+# keep plain loads.
+FLAT_X_EVICT_LAST = True
 MAX_PACKET_UNITS = 1 << 31  # packet_kernel indexes a slab's units in 32 bits
 MAX_SLABS = 3
 MAX_HEADS = 1 << 30  # heads per token (kernels/rope.cu indexes heads in 32 bits)
@@ -335,10 +349,12 @@ def choose_spec(call: Call, packets: bool = True, flat: bool = True) -> Spec:
         walked = sum(rows for rows, _, _ in geometry) * r * item  # bytes of x the call reads
         early = (call.pos_mode == IMPLIED and walked >= FLAT_EARLY_TABLES_BYTES
                  and flat_late_tables(item, split, partner_load, call.interleaved, row_packets))
+        x_evict_last = (FLAT_X_EVICT_LAST and item == 4 and not call.inplace and r == d
+                        and not partner_load and all(seq == 0 for _, _, seq in geometry))
         return dataclasses.replace(spec, unroll=1, mapping="flat", split_angles=split,
                                    partner_load=partner_load,
                                    slabs=len(call.slabs) if FLAT_EXACT_SLABS else 0,
-                                   early_tables=early)
+                                   early_tables=early, x_evict_last=x_evict_last)
     packet_spec = dataclasses.replace(spec, unroll=1, mapping="packets")
     units = packet_spec.rot_items  # packet_kernel threads per head
     # (NeoX packets tile each half by the choice of `pairs`; a GPT-J thread's
@@ -1005,4 +1021,9 @@ def shipped_specs() -> list:
               if sp.mapping == "flat" and sp.pos_mode == "implied" and flat_late_tables(
                   ITEMSIZE[sp.dtype], sp.split_angles, sp.partner_load, sp.interleaved,
                   sp.rotary_dim // sp.vec)]
+    # fp32 flat_kernel loading x with an L2 evict-last policy (FLAT_X_EVICT_LAST).
+    specs += [dataclasses.replace(sp, x_evict_last=True) for sp in specs
+              if sp.mapping == "flat" and sp.dtype == "float32" and not sp.copy_tail
+              and sp.rotary_dim == sp.head_dim and not sp.partner_load
+              and not sp.early_tables]
     return sorted(set(specs), key=repr)

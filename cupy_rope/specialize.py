@@ -78,6 +78,9 @@ class Spec:
     # flat_kernel, 16-bit rows that would ask for their table rows once x has
     # arrived (kernels/flat.cu LATE_TABLES): ask early instead (large calls).
     early_tables: bool = False
+    # flat_kernel: x loaded with an L2 evict-last policy (fp32 rows walked in
+    # position order, out of place).
+    x_evict_last: bool = False
 
     @property
     def source_file(self) -> str:
@@ -121,7 +124,7 @@ class Spec:
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),
                 str(self.rotary_dim), b(self.interleaved), b(self.split_angles),
                 b(self.partner_load), str(self.slabs), str(POS_MODES[self.pos_mode]),
-                b(self.early_tables)]) + ">"
+                b(self.early_tables), b(self.x_evict_last)]) + ">"
         if self.mapping == "packets":
             return "rope::packet_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),

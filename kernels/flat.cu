@@ -121,11 +121,21 @@ __device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
 // idle lanes per warp and packet_kernel's 0.977-0.987; for rows that tile a
 // warp it is no faster than the shuffle.)
 //
+// X_EVICT_LAST (fp32 out of place, full rotary, rows whose positions never
+// decrease through memory: launch.FLAT_X_EVICT_LAST): x is loaded with an L2
+// evict-last policy, as torch.compile's kernel loads it. fp32 on the H100,
+// of a same-run copy: sbhd [128, 8192, 1, 128] 1.006 -> 1.013, [256, 32, 32,
+// 128] 0.996 -> 1.011, [4096, 4, 16, 128] 0.997 -> 1.010, bshd [1, 32768, 8,
+// 128] 0.942 -> 0.955; with a batch axis stored outside the sequence (bshd
+// [8, 4096, 8, 128]) it lost 4%, and 16-bit rows lost 0.5-4.3% (one of 17
+// gained 0.6%; docs/perf-notes.md v20).
+//
 // POS_MODE: IMPLIED, the row's sequence index; EXPLICIT, the entry of
 // `positions` at that index (positions that depend on the sequence index
 // alone: thd [t], or [s] / [1, s] for bshd and sbhd), read alongside x.
 template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERLEAVED,
-          bool SPLIT_ANGLES, bool PARTNER_LOAD, int SLABS, int POS_MODE, bool EARLY_TABLES>
+          bool SPLIT_ANGLES, bool PARTNER_LOAD, int SLABS, int POS_MODE, bool EARLY_TABLES,
+          bool X_EVICT_LAST>
 __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(const FlatParams p) {
   static_assert(SLABS >= 0 && SLABS <= MAX_SLABS, "a slab count, or 0 for any");
   static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
@@ -171,7 +181,7 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   // A plain load, also out of place: through the non-coherent path (which
   // packet_kernel takes) this kernel lost 2-4% on bf16 bshd, sbhd and d80.
   Packet<T, VEC> raw{}, partner{};
-  if (live) raw = load_raw<T, VEC>(x, 1);
+  if (live) raw = X_EVICT_LAST ? load_reused<T, VEC>(x, 1) : load_raw<T, VEC>(x, 1);
   const bool first_half = INTERLEAVED || pk < HALF;
   if constexpr (PARTNER_LOAD) {
     if (live) partner = load_raw<T, VEC>(x + (first_half ? HALF * VEC : -HALF * VEC), 1);

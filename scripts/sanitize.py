@@ -250,6 +250,19 @@ def flat_rows():
     finally:
         launch.FLAT_EARLY_TABLES_BYTES = shipped
         api._plans.clear()
+    # fp32 rows in position order, out of place: x with an L2 evict-last policy
+    for d in (64, 128, 256):
+        cos, sin = tables(d, 40)
+        for interleaved in (False, True):
+            run(f"flat fp32 x evict-last sbhd d{d} gptj={interleaved}", cupy_rope.apply_rope,
+                "float32", [normal((7, 2, 16, d))],
+                dict(cos=cos, sin=sin, layout="sbhd", interleaved=interleaved))
+            run(f"flat fp32 x evict-last q+k d{d} gptj={interleaved}", cupy_rope.apply_rope_qk,
+                "float32", [normal((7, 2, 16, d)), normal((7, 2, 4, d))],
+                dict(cos=cos, sin=sin, layout="sbhd", interleaved=interleaved))
+            n += 2
+    # every call but d256 NeoX (its fp32 rows of 64 packets load their partner)
+    assert sum(p.plan.spec.x_evict_last for p in api._plans.values()) == 10
     return n
 
 

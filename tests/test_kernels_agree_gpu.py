@@ -384,3 +384,46 @@ def test_flat_kernel_early_and_late_tables_agree(rng, monkeypatch, interleaved, 
             assert np.array_equal(bits(got[0][i]), bits(got[shipped][i])), i
             assert_close(got[0][i], oracle(x, **src, layout="sbhd", interleaved=interleaved),
                          dtype, f"slab {i}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_flat_kernel_x_evict_last_gives_the_same_bits(rng, monkeypatch, interleaved, head_dim):
+    """fp32 x loaded with an L2 evict-last policy (launch.FLAT_X_EVICT_LAST:
+    rows in position order, out of place) and loaded plainly give the same
+    bits, close to float64: sbhd, thd, bshd with one batch entry, q + k."""
+    s, b, h, d = 9, 2, 8, head_dim
+    src = angle_sources(rng, "float32", d, ROWS)["table_f32"]
+    kw = {k: to_device(v) for k, v in src.items()}
+    # fp32 NeoX rows of more than 32 packets, or that leave lanes idle (d96,
+    # d256), load their partner themselves: plain loads (no evict-last)
+    want = interleaved or d in (64, 128)
+    for layout, shape in (("sbhd", (s, b, h, d)), ("thd", (s, h, d)), ("bshd", (1, s, h, d))):
+        x = rng.standard_normal(shape).astype(np.float32)
+        got = {}
+        for on in (True, False):
+            monkeypatch.setattr(launch, "FLAT_X_EVICT_LAST", on)
+            out, kind, _ = _run("flat", monkeypatch, to_device(x), kw, "out", "float32",
+                                layout=layout, interleaved=interleaved)
+            (prepared,) = api._plans.values()
+            assert kind == "flat" and prepared.plan.spec.x_evict_last == (on and want), layout
+            got[on] = out
+        assert np.array_equal(bits(got[True]), bits(got[False])), layout
+        assert_close(got[True], oracle(x, **src, layout=layout, interleaved=interleaved),
+                     "float32", layout)
+    q = rng.standard_normal((s, b, h, d)).astype(np.float32)
+    k = rng.standard_normal((s, b, 2, d)).astype(np.float32)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(launch, "FLAT_X_EVICT_LAST", on)
+        monkeypatch.setattr(api, "_plans", {})
+        outs = (full_nan(q.shape, "float32"), full_nan(k.shape, "float32"))
+        cupy_rope.apply_rope_qk(to_device(q), to_device(k), **kw, layout="sbhd",
+                                interleaved=interleaved, out_q=outs[0], out_k=outs[1])
+        (prepared,) = api._plans.values()
+        assert prepared.plan.spec.x_evict_last == (on and want)
+        got[on] = [to_host(o) for o in outs]
+    for i, x in enumerate((q, k)):
+        assert np.array_equal(bits(got[True][i]), bits(got[False][i])), i
+        assert_close(got[True][i], oracle(x, **src, layout="sbhd", interleaved=interleaved),
+                     "float32", f"slab {i}")

@@ -611,7 +611,7 @@ def test_flat_kernel_explicit_positions_policy(monkeypatch, case, mapping):
     if mapping == "flat":
         assert spec.pos_mode == "explicit" and not spec.split_angles
         # one slab, explicit positions, table rows late (never early for positions)
-        assert spec.name_expression().endswith(", 1, 1, false>")
+        assert spec.name_expression().endswith(", 1, 1, false, false>")
         plan = launch.Plan.__new__(launch.Plan)
         plan.spec, plan.buf = spec, bytes(launch._DYNAMIC.size) + launch.flat_fixed_params(
             call, [(0, 0, 0, 0)], launch.flat_geometry(call))
@@ -674,10 +674,56 @@ def test_flat_kernel_early_tables_for_large_calls(monkeypatch, case, early):
     spec = launch.choose_spec(call)
     assert spec.mapping == "flat"
     assert spec.early_tables == early
-    assert spec.name_expression().endswith(f", {'true' if early else 'false'}>")
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    assert spec.name_expression().endswith(f", {b(early)}, {b(spec.x_evict_last)}>")
     assert spec in launch.shipped_specs()  # compiled on CPU CI too
     monkeypatch.undo()
     assert not launch.choose_spec(call).early_tables  # the shipped bound: these calls are small
+
+
+@pytest.mark.parametrize("case,evict_last", [
+    ("sbhd", True), ("sbhd q + k", True), ("thd", True), ("bshd one batch entry", True),
+    ("bshd two batch entries", False), ("in place", False), ("bfloat16", False),
+    ("d96 NeoX (partner load)", False), ("d96 GPT-J", True), ("FLAT_X_EVICT_LAST off", False)])
+def test_flat_kernel_x_evict_last_for_fp32_in_position_order(monkeypatch, case, evict_last):
+    """fp32 calls out of place, full rotary, whose rows' positions never
+    decrease through memory (no axis outside the sequence axis) load x with
+    an L2 evict-last policy; a batch axis outside the sequence, in place,
+    16-bit x and fp32 partner loads keep plain loads. Every such spec is
+    shipped."""
+    from cupy_rope.validate import check_call
+
+    d, h, s, b, dtype, kw, layout, interleaved = 128, 8, 16, 2, "float32", {}, "sbhd", False
+    if case == "FLAT_X_EVICT_LAST off":
+        monkeypatch.setattr(launch, "FLAT_X_EVICT_LAST", False)
+    if case == "bfloat16":
+        dtype = "bfloat16"
+    if case.startswith("d96"):
+        d, interleaved = 96, "GPT-J" in case
+    if case.startswith("thd"):
+        layout, shape = "thd", (s, h, d)
+    elif case.startswith("bshd"):
+        layout, b = "bshd", 1 if "one" in case else 2
+        shape = (b, s, h, d)
+    else:
+        shape = (s, b, h, d)
+    if case == "sbhd q + k":
+        kw["k"] = _dense((s, b, 2, d), (0, 1, 2, 3), dtype, 1 << 45)
+        kw["out_k"] = _dense((s, b, 2, d), (0, 1, 2, 3), dtype, 1 << 46)
+    order = tuple(range(len(shape)))
+    if case == "in place":
+        kw["inplace"] = True
+    else:
+        kw["out"] = _dense(shape, order, dtype, 1 << 44)
+    tab = _table(s, d // 2)
+    call = check_call(_dense(shape, order, dtype), cos=tab, sin=tab, layout=layout,
+                      interleaved=interleaved, **kw)
+    spec = launch.choose_spec(call)
+    assert spec.mapping == "flat"
+    assert spec.x_evict_last == evict_last
+    assert spec.partner_load == (case == "d96 NeoX (partner load)")
+    if evict_last:
+        assert spec in launch.shipped_specs()  # compiled on CPU CI too
 
 
 @pytest.mark.parametrize("s,early", [(16383, False), (16384, True)])
@@ -716,7 +762,7 @@ def test_flat_kernel_slab_count(monkeypatch, exact, k_heads):
     assert spec.mapping == "flat"
     assert spec.slabs == ((2 if k_heads else 1) if exact else 0)
     # implied positions (0), table rows as the kernel's rule asks for them
-    assert spec.name_expression().endswith(f", {spec.slabs}, 0, false>")
+    assert spec.name_expression().endswith(f", {spec.slabs}, 0, false, false>")
     geometry = launch.flat_geometry(call)
     _, _, slabs = launch.flat_shape(16, False, [rows for rows, _, _ in geometry])
     assert slabs[0][0] == 0 and len(slabs) == len(call.slabs)
