@@ -127,7 +127,8 @@ FLAT_POSITIONS_TABLE_BYTES = 4 << 20
 FLAT_EARLY_TABLES_BYTES = 512 << 20
 # fp32 calls out of place with full rotary whose rows' positions never
 # decrease through memory (no axis stored outside the sequence axis: sbhd,
-# thd, bshd with one batch entry) load x with an L2 evict-last policy, as
+# thd, bshd with one batch entry; also one-token calls, unmeasured) load x
+# with an L2 evict-last policy, as
 # torch.compile's kernel does (kernels/flat.cu X_EVICT_LAST). fp32 on the
 # H100, of a same-run copy: sbhd [128, 8192, 1, 128] 1.006 -> 1.013 (three
 # runs 1.013-1.018; torch.compile 1.010-1.014), [1024, 16, 8, 128] 1.001 ->
@@ -135,9 +136,9 @@ FLAT_EARLY_TABLES_BYTES = 512 << 20
 # 1.001, d64 sbhd +0.8%, bshd [1, 32768, 8, 128] 0.942 -> 0.955. Where a
 # batch axis lies outside the sequence it lost (bshd [8, 4096, 8, 128] 0.999
 # -> 0.958, [4, 4096, 16, 256] -2.3%), and 16-bit rows lost 0.5-4.3%
-# (docs/perf-notes.md v20). In place, partial rotary and the NeoX rows that
-# load their partner (fp32 d80 / d96 / d256) are unmeasured or excluded and
-# keep plain loads.
+# (docs/perf-notes.md v20). In place and partial rotary (unmeasured) and the
+# NeoX rows that load their partner (fp32 d80 / d96 / d256; d256 measured
+# +0.3-0.7% on sbhd, -2.3% on bshd) keep plain loads.
 FLAT_X_EVICT_LAST = True
 MAX_PACKET_UNITS = 1 << 31  # packet_kernel indexes a slab's units in 32 bits
 MAX_SLABS = 3
