@@ -339,19 +339,18 @@ def choose_spec(call: Call, packets: bool = True, flat: bool = True) -> Spec:
         shuffle = not call.interleaved and not partner_load
         block_rows = FLAT_THREADS // 32 * (32 // row_packets) if shuffle else 0
         split = shuffle and any(0 < step < block_rows for _, step, _ in geometry)
+        late = flat_late_tables(item, split, partner_load, call.interleaved, row_packets)
         if call.pos_mode == EXPLICIT:
-            late_tables = flat_late_tables(item, split, partner_load, call.interleaved,
-                                           row_packets)
             reachable = min(call.positions.shape[-1], call.max_position)
             row_bytes = sum(t.itemsize for t in tables) * half
-            if not late_tables or reachable * row_bytes > FLAT_POSITIONS_TABLE_BYTES:
+            if not late or reachable * row_bytes > FLAT_POSITIONS_TABLE_BYTES:
                 geometry = None
     if geometry is not None:
         walked = sum(rows for rows, _, _ in geometry) * r * item  # bytes of x the call reads
-        early = (call.pos_mode == IMPLIED and walked >= FLAT_EARLY_TABLES_BYTES
-                 and flat_late_tables(item, split, partner_load, call.interleaved, row_packets))
-        x_evict_last = (FLAT_X_EVICT_LAST and item == 4 and not call.inplace and r == d
-                        and not partner_load and all(seq == 0 for _, _, seq in geometry))
+        early = call.pos_mode == IMPLIED and late and walked >= FLAT_EARLY_TABLES_BYTES
+        x_evict_last = (FLAT_X_EVICT_LAST and not call.inplace
+                        and flat_x_evict_last_fits(item, r, d, partner_load)
+                        and all(seq == 0 for _, _, seq in geometry))
         return dataclasses.replace(spec, unroll=1, mapping="flat", split_angles=split,
                                    partner_load=partner_load,
                                    slabs=len(call.slabs) if FLAT_EXACT_SLABS else 0,
@@ -467,6 +466,14 @@ def flat_late_tables(itemsize: int, split: bool, partner_load: bool, interleaved
     (kernels/flat.cu LATE_TABLES, unless EARLY_TABLES)?"""
     return (itemsize == 2 and not split and not partner_load
             and (interleaved or 32 % row_packets == 0))
+
+
+def flat_x_evict_last_fits(itemsize: int, rotary_dim: int, head_dim: int,
+                           partner_load: bool) -> bool:
+    """Can flat_kernel load x with evict-last (FLAT_X_EVICT_LAST) for rows
+    like these: fp32, full rotary, no partner load? (The call must also be
+    out of place, in position order: choose_spec.)"""
+    return itemsize == 4 and rotary_dim == head_dim and not partner_load
 
 
 def flat_geometry(call: Call):
@@ -1024,7 +1031,6 @@ def shipped_specs() -> list:
                   sp.rotary_dim // sp.vec)]
     # fp32 flat_kernel loading x with an L2 evict-last policy (FLAT_X_EVICT_LAST).
     specs += [dataclasses.replace(sp, x_evict_last=True) for sp in specs
-              if sp.mapping == "flat" and sp.dtype == "float32" and not sp.copy_tail
-              and sp.rotary_dim == sp.head_dim and not sp.partner_load
-              and not sp.early_tables]
+              if sp.mapping == "flat" and flat_x_evict_last_fits(
+                  ITEMSIZE[sp.dtype], sp.rotary_dim, sp.head_dim, sp.partner_load)]
     return sorted(set(specs), key=repr)
