@@ -96,7 +96,81 @@ def _sig_of(a):
     return key[0] if key else None
 
 
-def _execute(op, head, tables, tail, options, offsets, make_kwargs, bound=None, remember=None):
+# ------------------------------------------------------ functional fast path --
+# A functional call (apply_rope*, no bound tables) with no offsets array is
+# first looked up by its op, options and the classes of its options and
+# arrays (None included): a _FastCall holds, for that pattern, a generated
+# signer (straight-line reads of each present array's dtype, shape,
+# strides, device and pointer) and a launcher per signature seen, made from
+# the general path's cached plan. Anything else, and every first call,
+# takes the general path below.
+_fast_calls: dict = {}
+#: Launchers (and patterns) kept before the fast path starts afresh (as _plans).
+_MAX_FAST_LAUNCHERS = 4096
+_fast_count = [0]
+
+
+class _FastCall:
+    """The signer and launchers of one (op, options, classes) pattern."""
+
+    __slots__ = ("op", "sign", "given", "n_slots", "launchers")
+
+    def __init__(self, op, sign, given, n_slots):
+        self.op, self.sign, self.given, self.n_slots = op, sign, given, n_slots
+        self.launchers: dict = {}
+
+    def remember(self, sig):
+        """The general path's ``remember``: keep a launcher for ``sig``."""
+        def keep(prepared):
+            if _fast_count[0] >= _MAX_FAST_LAUNCHERS:
+                _fast_calls.clear()  # this pattern's object is dropped too
+                _fast_count[0] = 0
+            _fast_count[0] += 1
+            if prepared.allocs:  # outputs made per call: the prepared plan does it
+                run = prepared.run
+                self.launchers[sig] = lambda arrays, p, offset: run(arrays, list(p), offset)
+            else:
+                self.launchers[sig] = launch.call_launcher(
+                    prepared.plan, prepared.disjoint, self.given, self.n_slots,
+                    prepared.offset_range, _RESULTS[self.op])
+        return keep
+
+
+def _fast_call(op, classes):
+    """A _FastCall for arrays of these classes (None where absent), or False
+    when some class has no straight-line signer (host arrays, JAX, ...)."""
+    body, sig, given = [], [], []
+    for i, cls in enumerate(classes):
+        if cls is type(None):
+            continue
+        kind = interop.sign_kind(cls)
+        a, d, p = f"a{i}", f"d{i}", f"p{i}"
+        body.append(f"    {a} = arrays[{i}]")
+        if kind == "torch":
+            body += [f"    {d} = get_device({a})", f"    if {d} < 0:", "        return None",
+                     f"    {p} = data_ptr({a})"]
+            sig.append(f"dtype({a}), shape({a}), stride({a}), {d}, {p} & 15")
+        elif kind == "cupy":
+            body += [f"    m{i} = {a}.data", f"    {p} = m{i}.ptr"]
+            sig.append(f"{a}.dtype, {a}.shape, {a}.strides, m{i}.device_id, {p} & 15")
+        else:
+            return False
+        given.append(i)
+    if not given:
+        return False
+    ptrs = [f"p{i}" if i in given else "0" for i in range(len(classes))]
+    if len(given) > 1:
+        # Arrays sharing a pointer (out=x, q is k) keep to the general path.
+        body += [f"    if len({{{', '.join(f'p{i}' for i in given)}}}) != {len(given)}:",
+                 "        return None"]
+    src = "def sign(arrays):\n" + "\n".join(body) + (
+        f"\n    return ({', '.join(sig)}), ({', '.join(ptrs)},)\n")
+    env = interop.torch_readers()
+    exec(src, env)  # noqa: S102 - indices and fixed names only
+    return _FastCall(op, env["sign"], tuple(given), len(classes))
+
+
+def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None):
     """The hot path: look the call's signature up, else validate and plan.
 
     The op's array arguments (None where absent) come in three parts:
@@ -106,7 +180,29 @@ def _execute(op, head, tables, tail, options, offsets, make_kwargs, bound=None, 
     (a :class:`RotaryEmbedding`'s signed tables) replaces signing the tables;
     ``remember(prepared)`` is called with the prepared plan of a call whose
     arrays all have distinct pointers (RotaryEmbedding.qk_ keeps a launcher).
+    Functional calls look their pattern up in ``_fast_calls`` first.
     """
+    if bound is None and (offsets is None or type(offsets) is int):
+        arrays = head + tables + tail
+        try:
+            fast = _fast_calls.get((op, options, tuple(map(type, options + arrays))))
+        except TypeError:  # an unhashable option: validation will say what is wrong
+            fast = False
+        if fast is None:
+            if len(_fast_calls) >= _MAX_FAST_LAUNCHERS:
+                _fast_calls.clear()
+            fast = _fast_calls[(op, options, tuple(map(type, options + arrays)))] = _fast_call(
+                op, tuple(map(type, arrays)))
+        if fast:
+            got = fast.sign(arrays)
+            if got is not None:
+                go = fast.launchers.get(got[0])
+                if go is None:
+                    remember = fast.remember(got[0])
+                else:
+                    result = go(arrays, got[1], offsets or 0)
+                    if result is not NotImplemented:
+                        return result
     if offsets is None:
         offset = 0
     elif type(offsets) is int:
@@ -160,7 +256,7 @@ def _execute(op, head, tables, tail, options, offsets, make_kwargs, bound=None, 
                 return result
     if bound is not None:
         _check_bound_tables(tables, bound[0])
-    result = _slow(op, arrays, make_kwargs(), offsets, key)
+    result = _slow(op, arrays, _KWARGS[op](head, tables, tail, options), offsets, key)
     if remember is not None and key is not None:
         prepared = _plans.get(key)
         if prepared is not None:
@@ -344,6 +440,55 @@ def _wrap(like, arr):
 
 _RESULTS = {"rope": _result_rope, "qk": _result_qk, "qkv": _result_qkv,
             "qkv_backward": _result_qkv_backward}
+# The keyword arguments of check_call for each op, rebuilt from _execute's
+# parts (the public functions pass no closure: its cells would cost every
+# call, the cached ones too). ``options`` are ordered as the functions build
+# them; ``tail`` may end with an offsets array (not an argument here).
+def _common_kwargs(tables, tail, layout, interleaved, rotary_dim, cp_size, cp_rank, head_dim,
+                   sections, sections_interleaved) -> dict:
+    return dict(zip(_TABLE_NAMES, tables), positions=tail[0], cu_seqlens=tail[1],
+                layout=layout, interleaved=interleaved, rotary_dim=rotary_dim, cp_size=cp_size,
+                cp_rank=cp_rank, head_dim=head_dim, sections=sections,
+                sections_interleaved=sections_interleaved)
+
+
+def _rope_kwargs(head, tables, tail, options) -> dict:
+    layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim, *sec = options
+    return dict(x=head[0], inplace=inplace, out=tail[2], backward=backward,
+                **_common_kwargs(tables, tail, layout, interleaved, rotary_dim, cp_size, cp_rank,
+                                 head_dim, *sec))
+
+
+def _qk_kwargs(head, tables, tail, options) -> dict:
+    layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim, *sec = options
+    return dict(x=head[0], k=head[1], inplace=inplace, out=tail[2], out_k=tail[3],
+                backward=backward,
+                **_common_kwargs(tables, tail, layout, interleaved, rotary_dim, cp_size, cp_rank,
+                                 head_dim, *sec))
+
+
+def _qkv_kwargs(head, tables, tail, options) -> dict:
+    (layout, interleaved, rotary_dim, backward, cp_size, cp_rank, head_dim, num_q_heads,
+     num_kv_heads, packing, *sec) = options
+    outs = tail[2:5]
+    return dict(qkv=head[0], backward=backward, out=outs if outs[0] is not None else None,
+                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, packing=packing,
+                **_common_kwargs(tables, tail, layout, interleaved, rotary_dim, cp_size, cp_rank,
+                                 head_dim, *sec))
+
+
+def _qkv_backward_kwargs(head, tables, tail, options) -> dict:
+    layout, interleaved, rotary_dim, cp_size, cp_rank, head_dim, packing, *sec = options
+    dq, dk, _ = head
+    return dict(qkv_grads=tuple(head), backward=True, out=tail[2],
+                num_q_heads=_heads(dq, layout, head_dim), num_kv_heads=_heads(dk, layout, head_dim),
+                packing=packing,
+                **_common_kwargs(tables, tail, layout, interleaved, rotary_dim, cp_size, cp_rank,
+                                 head_dim, *sec))
+
+
+_KWARGS = {"rope": _rope_kwargs, "qk": _qk_kwargs, "qkv": _qkv_kwargs,
+           "qkv_backward": _qkv_backward_kwargs}
 # Where the outputs sit in each op's array tuple: inputs, the seven angle and
 # position arrays (cos, sin, inv_freq, freqs, cos_sin_cache, positions,
 # cu_seqlens), the outputs, then the offsets array.
@@ -428,12 +573,7 @@ def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cach
         "rope", (x,), (cos, sin, inv_freq, freqs, cos_sin_cache), (positions, cu_seqlens, out),
         (layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim,
          _key_sections(sections), sections_interleaved),
-        offsets,
-        lambda: dict(x=x, cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs, cos_sin_cache=cos_sin_cache,
-             positions=positions, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
-             inplace=inplace, out=out, backward=backward, cu_seqlens=cu_seqlens,
-             cp_size=cp_size, cp_rank=cp_rank, head_dim=head_dim, sections=sections,
-             sections_interleaved=sections_interleaved))
+        offsets)
 
 
 def apply_rope_backward(grad, cos=None, sin=None, **kwargs):
@@ -468,22 +608,16 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_si
         (positions, cu_seqlens, out_q, out_k),
         (layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim,
          _key_sections(sections), sections_interleaved),
-        offsets,
-        lambda: dict(x=q, k=k, cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs,
-             cos_sin_cache=cos_sin_cache, positions=positions, layout=layout,
-             interleaved=interleaved, rotary_dim=rotary_dim, inplace=inplace,
-             out=out_q, out_k=out_k, backward=backward, cu_seqlens=cu_seqlens,
-             cp_size=cp_size, cp_rank=cp_rank, head_dim=head_dim, sections=sections,
-             sections_interleaved=sections_interleaved))
+        offsets)
 
 
 def _qkv_outputs(out_q, out_k, out_v):
-    """(the three outputs, the ``out`` argument for validation: all three or None)."""
+    """The three outputs, checked to be all given or all None."""
     outs = (out_q, out_k, out_v)
     given = [o is not None for o in outs]
     if any(given) and not all(given):
         raise ValueError("out_q, out_k, out_v: pass all three outputs, or none")
-    return outs, outs if given[0] else None
+    return outs
 
 
 def apply_rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=None,
@@ -511,19 +645,12 @@ def apply_rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_d
     out_k, out_v), each contiguous. q and k are rotated as by
     :func:`apply_rope` (same angle and position arguments); v is copied.
     """
-    outs, out = _qkv_outputs(out_q, out_k, out_v)
+    outs = _qkv_outputs(out_q, out_k, out_v)
     return _execute(
         "qkv", (qkv,), (cos, sin, inv_freq, freqs, cos_sin_cache), (positions, cu_seqlens) + outs,
         (layout, interleaved, rotary_dim, backward, cp_size, cp_rank, head_dim, num_q_heads,
          num_kv_heads, packing, _key_sections(sections), sections_interleaved),
-        offsets,
-        lambda: dict(qkv=qkv, cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs,
-             cos_sin_cache=cos_sin_cache, positions=positions, layout=layout,
-             interleaved=interleaved, rotary_dim=rotary_dim, backward=backward,
-             out=out, cu_seqlens=cu_seqlens, cp_size=cp_size,
-             cp_rank=cp_rank, head_dim=head_dim, num_q_heads=num_q_heads,
-             num_kv_heads=num_kv_heads, packing=packing, sections=sections,
-             sections_interleaved=sections_interleaved))
+        offsets)
 
 
 def apply_rope_qkv_backward(dq, dk, dv, cos=None, sin=None, *, packing="concat", inv_freq=None,
@@ -544,13 +671,7 @@ def apply_rope_qkv_backward(dq, dk, dv, cos=None, sin=None, *, packing="concat",
         (positions, cu_seqlens, out),
         (layout, interleaved, rotary_dim, cp_size, cp_rank, head_dim, packing,
          _key_sections(sections), sections_interleaved),
-        offsets,
-        lambda: dict(qkv_grads=(dq, dk, dv), cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs,
-             cos_sin_cache=cos_sin_cache, positions=positions, layout=layout,
-             interleaved=interleaved, rotary_dim=rotary_dim, backward=True, out=out,
-             cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, head_dim=head_dim,
-             num_q_heads=_heads(dq, layout, head_dim), num_kv_heads=_heads(dk, layout, head_dim),
-             packing=packing, sections=sections, sections_interleaved=sections_interleaved))
+        offsets)
 
 
 def _key_sections(sections):
@@ -624,9 +745,6 @@ class RotaryEmbedding:
         self._fast = {} if signed else None
         self._qk_options = self._options(True, False)
 
-    def _angles(self) -> dict:
-        return dict(zip(_TABLE_NAMES, self._tables))
-
     def _options(self, *front, tail=()):
         f = self._fixed
         return (f["layout"], f["interleaved"], f["rotary_dim"], *front, f["cp_size"],
@@ -636,25 +754,16 @@ class RotaryEmbedding:
     def rope(self, x, positions=None, offsets=None, *, inplace=False, out=None, backward=False,
              cu_seqlens=None):
         """:func:`apply_rope` with the bound angles and options."""
-        return _execute(
-            "rope", (x,), self._tables, (positions, cu_seqlens, out),
-            self._options(inplace, backward), offsets,
-            lambda: dict(x=x, **self._angles(), positions=positions, inplace=inplace, out=out,
-                         backward=backward, cu_seqlens=cu_seqlens, **self._fixed),
-            self._bound)
+        return _execute("rope", (x,), self._tables, (positions, cu_seqlens, out),
+                        self._options(inplace, backward), offsets, self._bound)
 
     __call__ = rope
 
     def qk(self, q, k, positions=None, offsets=None, *, inplace=False, out_q=None, out_k=None,
            backward=False, cu_seqlens=None):
         """:func:`apply_rope_qk` with the bound angles and options."""
-        return _execute(
-            "qk", (q, k), self._tables, (positions, cu_seqlens, out_q, out_k),
-            self._options(inplace, backward), offsets,
-            lambda: dict(x=q, k=k, **self._angles(), positions=positions, inplace=inplace,
-                         out=out_q, out_k=out_k, backward=backward, cu_seqlens=cu_seqlens,
-                         **self._fixed),
-            self._bound)
+        return _execute("qk", (q, k), self._tables, (positions, cu_seqlens, out_q, out_k),
+                        self._options(inplace, backward), offsets, self._bound)
 
     def qk_(self, q, k, positions=None):
         """Rotate q and k in place at ``positions``; returns (q, k).
@@ -679,8 +788,6 @@ class RotaryEmbedding:
                     remember = functools.partial(self._remember, fast, got[0], self._bound[1])
         return _execute(
             "qk", (q, k), self._tables, (positions, None, None, None), self._qk_options, None,
-            lambda: dict(x=q, k=k, **self._angles(), positions=positions, inplace=True,
-                         **self._fixed),
             self._bound, remember)
 
     @staticmethod
@@ -699,27 +806,14 @@ class RotaryEmbedding:
             packing="concat", out_q=None, out_k=None, out_v=None, backward=False,
             cu_seqlens=None):
         """:func:`apply_rope_qkv` with the bound angles and options."""
-        outs, out = _qkv_outputs(out_q, out_k, out_v)
+        outs = _qkv_outputs(out_q, out_k, out_v)
         return _execute(
             "qkv", (qkv,), self._tables, (positions, cu_seqlens) + outs,
-            self._options(backward, tail=(num_q_heads, num_kv_heads, packing)), offsets,
-            lambda: dict(qkv=qkv, **self._angles(), positions=positions, backward=backward,
-                         out=out, cu_seqlens=cu_seqlens,
-                         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, packing=packing,
-                         **self._fixed),
-            self._bound)
+            self._options(backward, tail=(num_q_heads, num_kv_heads, packing)), offsets, self._bound)
 
     def qkv_backward(self, dq, dk, dv, positions=None, offsets=None, *, packing="concat",
                      out=None, cu_seqlens=None):
         """:func:`apply_rope_qkv_backward` with the bound angles and options."""
-        f = self._fixed
-        layout, head_dim = f["layout"], f["head_dim"]
         return _execute(
             "qkv_backward", (dq, dk, dv), self._tables, (positions, cu_seqlens, out),
-            self._options(tail=(packing,)), offsets,
-            lambda: dict(qkv_grads=(dq, dk, dv), **self._angles(), positions=positions,
-                         backward=True, out=out, cu_seqlens=cu_seqlens,
-                         num_q_heads=_heads(dq, layout, head_dim),
-                         num_kv_heads=_heads(dk, layout, head_dim), packing=packing,
-                         **f),
-            self._bound)
+            self._options(tail=(packing,)), offsets, self._bound)

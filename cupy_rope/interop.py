@@ -273,13 +273,24 @@ def _cupy_sign(a, key, ptrs) -> bool:
     return True
 
 
-def _torch_key3_maker(torch):
-    """key3 for torch tensors: reads metadata through TensorBase's
-    unbound methods and descriptors (about 0.3 us less per call than
-    attribute lookups on the three tensors; scripts/launch_cost.py)."""
+def torch_readers() -> dict:
+    """torch tensor metadata readers through TensorBase's unbound methods and
+    descriptors (about 0.3 us less per call than attribute lookups on three
+    tensors; scripts/launch_cost.py): get_device, data_ptr, dtype, shape,
+    stride. Empty when torch is not imported."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
     tb = torch._C.TensorBase
-    data_ptr, stride, get_device = tb.data_ptr, tb.stride, tb.get_device
-    shape, dtype = tb.shape.__get__, tb.dtype.__get__
+    return dict(get_device=tb.get_device, data_ptr=tb.data_ptr, dtype=tb.dtype.__get__,
+                shape=tb.shape.__get__, stride=tb.stride)
+
+
+def _torch_key3_maker():
+    """key3 for torch tensors (straight-line reads, see torch_readers)."""
+    r = torch_readers()
+    data_ptr, stride, get_device = r["data_ptr"], r["stride"], r["get_device"]
+    shape, dtype = r["shape"], r["dtype"]
 
     def key3(a, b, c):
         """(signature of three torch tensors, their three pointers), or None off the GPU."""
@@ -316,7 +327,7 @@ def key3(cls):
     if f is None:
         sign = signer(cls)
         if sign is _torch_sign:
-            f = _torch_key3_maker(sys.modules["torch"])
+            f = _torch_key3_maker()
         else:
             f = _cupy_key3 if sign is _cupy_sign else _no_key3
         KEY3[cls] = f
@@ -345,6 +356,20 @@ def signer(cls):
             f = _no_sign
         SIGNERS[cls] = f
     return f
+
+
+def sign_kind(cls):
+    """"torch" or "cupy": whose metadata, read straight (torch_readers for
+    torch), signs arrays of class ``cls`` as their signer does; None for
+    other classes, torch subclasses included (their attributes may go
+    through ``__torch_function__``, which the unbound readers skip)."""
+    f = signer(cls)
+    if f is _cupy_sign:
+        return "cupy"
+    torch = sys.modules.get("torch")
+    if f is _torch_sign and cls in (torch.Tensor, torch.nn.Parameter):
+        return "torch"
+    return None
 
 
 def data_ptr(a) -> int:

@@ -867,38 +867,71 @@ def bound_launcher(plan: Plan, pairs, args: dict, consts: dict):
     Generated once per plan as straight-line code: it runs on every cached
     decode step.
     """
-    names = list(dict.fromkeys(args.values()))  # parameters in the order given
-
     def ref(i, byte_offset=0):
         if i in args:
             return f"({args[i]} + {int(byte_offset)})" if byte_offset else args[i]
         return str(int(consts.get(i, 0)) + int(byte_offset) if i >= 0 else 0)
 
-    apart = _apart_expr(pairs, ref)
-    ptrs = ", ".join(ref(i, off) for i, off in plan.slots)
     n_slots = max([*args, *consts]) + 1
+    return _generate_launcher(plan, pairs, list(dict.fromkeys(args.values())), ref, n_slots,
+                              "0", None, "True", "False", {})
+
+
+def call_launcher(plan: Plan, pairs, given, n_slots: int, offset_range, result):
+    """``go(arrays, p, offset)``: launch ``plan`` for a functional call.
+
+    ``p`` holds the call's ``n_slots`` array pointers (0 for absent
+    arrays), ``given`` the indices of the arrays present (the others are
+    the constant 0). ``go`` returns ``NotImplemented`` without launching
+    when ``offset`` lies outside ``offset_range`` or ``pairs`` may overlap
+    (the general path then decides), else launches with the scalar
+    ``offset`` and returns ``result(arrays, ())``. Straight-line code as
+    :func:`bound_launcher`'s; api keeps one per signature seen.
+    """
+    given = set(given)
+
+    def ref(i, byte_offset=0):
+        if i in given:
+            return f"(p[{int(i)}] + {int(byte_offset)})" if byte_offset else f"p[{int(i)}]"
+        return str(int(byte_offset)) if i >= 0 else "0"
+
+    lo, hi = (int(v) for v in offset_range)
+    return _generate_launcher(plan, pairs, ["arrays", "p", "offset"], ref, n_slots, "offset",
+                              f"{lo} <= offset < {hi}", "result(arrays, ())",
+                              "NotImplemented", {"result": result})
+
+
+def _generate_launcher(plan, pairs, params, ref, n_slots, offset, guard, done, refused, extra):
+    """Source and compile the straight-line launcher of ``plan``: ``ref(i,
+    byte_offset)`` is the text of array i's pointer (plus a byte offset),
+    ``offset`` the text of the scalar position offset, ``guard`` an extra
+    condition (or None), ``done`` / ``refused`` the returned texts."""
+    apart = _apart_expr(pairs, ref)
+    if guard is not None:
+        apart = f"({guard}) and {apart}"
+    ptrs = ", ".join(ref(i, off) for i, off in plan.slots)
     slow = ", ".join(ref(i) for i in range(n_slots))
-    src = f"""def go({", ".join(names)}):
+    src = f"""def go({", ".join(params)}):
     if not ({apart}):
-        return False
+        return {refused}
     if empty:
-        return True
+        return {done}
     stream = stream_of(dev)
     mine = buffers.get(ident())
     if mine is None:
         mine = plan.own_buffer()
-    pack(mine[0], 0, {ptrs}, 0)
+    pack(mine[0], 0, {ptrs}, {offset})
     if get_device() == dev:
         try:
             launch_kernel(kernel, {", ".join(map(str, plan.dims))}, 0, stream, mine[1], 0)
-            return True
+            return {done}
         except Exception as exc:  # a thread without a CUDA context yet
             if "INVALID_CONTEXT" not in str(exc):
                 raise
     # Another device is current, or this thread has no context: the general
     # launch makes the plan's device current for the call.
-    plan.launch([{slow}], 0)
-    return True
+    plan.launch([{slow}], {offset})
+    return {done}
 """
     from cupy.cuda import driver
     from cupy_backends.cuda.api.runtime import getDevice
@@ -907,7 +940,7 @@ def bound_launcher(plan: Plan, pairs, args: dict, consts: dict):
     env = dict(empty=plan.empty, stream_of=plan.stream, dev=plan.device_id, buffers=plan.buffers,
                ident=threading.get_ident, pack=_pack_dynamic,
                get_device=getDevice, kernel=plan.kernel, launch_kernel=driver.launchKernel,
-               plan=plan)
+               plan=plan, **extra)
     exec(src, env)  # noqa: S102 - integers, indices and fixed names only
     go = env["go"]
     go.plan = plan  # for the benchmark's bare-launch timing and scripts/launch_cost.py

@@ -1,0 +1,227 @@
+"""The functional calls' cached path (api._fast_calls): a repeated signature
+launches without the general path, gives the general path's bits, and still
+re-checks what may change per call (offset range, overlap, aliasing, the
+calling thread, the device of the arrays)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import cupy_rope
+from cupy_rope import api
+from conftest import np_dtype
+from gpu_util import bits, to_device, to_host
+
+pytestmark = pytest.mark.gpu
+
+D = 64
+ROWS = 48
+
+
+def angles(d=D, rows=ROWS):
+    inv = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    theta = (np.arange(rows)[:, None] * inv.astype(np.float64)).astype(np.float32)
+    return np.cos(theta), np.sin(theta)
+
+
+def rand(rng, shape, dtype, fw):
+    return to_device(rng.standard_normal(shape).astype(np_dtype(dtype)), fw)
+
+
+def poison(shape, dtype, fw):
+    return to_device(np.full(shape, np.nan, np_dtype(dtype)), fw)
+
+
+def case(name, rng, fw):
+    """(function, args, kwargs) of one call; fresh arrays of one signature per call."""
+    dtype = "float32" if fw == "cupy" else "bfloat16"
+    cos, sin = (to_device(t, fw) for t in angles())
+    cache = to_device(np.concatenate(angles(), 1), fw)
+    if name == "rope new output":
+        return cupy_rope.apply_rope, (rand(rng, (2, 16, 3, D), dtype, fw), cos, sin), {}
+    if name == "rope in place, offset":
+        return (cupy_rope.apply_rope, (rand(rng, (16, 2, 3, D), dtype, fw), cos, sin),
+                dict(layout="sbhd", inplace=True, offsets=7))
+    if name == "rope out=, partial":
+        return (cupy_rope.apply_rope, (rand(rng, (2, 16, 3, D), dtype, fw), cos[:, :16], sin[:, :16]),
+                dict(out=poison((2, 16, 3, D), dtype, fw), interleaved=True))
+    if name == "qk decode in place":
+        pos = to_device(rng.integers(0, ROWS, 9).astype(np.int64), fw)
+        return (cupy_rope.apply_rope_qk, (rand(rng, (9, 8, D), dtype, fw),
+                                         rand(rng, (9, 2, D), dtype, fw)),
+                dict(cos_sin_cache=cache, positions=pos, layout="thd", inplace=True))
+    if name == "qk new outputs, cu_seqlens":
+        cu = to_device(np.array([0, 5, 5, 20], np.int32), fw)
+        return (cupy_rope.apply_rope_qk, (rand(rng, (20, 4, D), dtype, fw),
+                                         rand(rng, (20, 1, D), dtype, fw), cos, sin),
+                dict(layout="thd", cu_seqlens=cu))
+    if name == "qkv":
+        return (cupy_rope.apply_rope_qkv, (rand(rng, (2, 8, 6 * D), dtype, fw), cos, sin),
+                dict(num_q_heads=4, num_kv_heads=1, head_dim=D))
+    if name == "qkv backward, out=":
+        return (cupy_rope.apply_rope_qkv_backward,
+                (rand(rng, (2, 8, 4, D), dtype, fw), rand(rng, (2, 8, 1, D), dtype, fw),
+                 rand(rng, (2, 8, 1, D), dtype, fw), cos, sin),
+                dict(out=poison((2, 8, 6 * D), dtype, fw)))
+    raise AssertionError(name)
+
+
+CASES = ["rope new output", "rope in place, offset", "rope out=, partial", "qk decode in place",
+         "qk new outputs, cu_seqlens", "qkv", "qkv backward, out="]
+
+
+def host(result):
+    if isinstance(result, tuple):
+        return [bits(to_host(r)) for r in result]
+    return [bits(to_host(result))]
+
+
+def general_path(monkeypatch):
+    """Every functional call takes the general path from here on."""
+    monkeypatch.setattr(api, "_fast_calls", {})
+    monkeypatch.setattr(api, "_fast_call", lambda op, classes: False)
+
+
+def no_general_path(monkeypatch):
+    """A call that reaches the general path from here on fails the test."""
+    def refuse(*a, **kw):
+        raise AssertionError("the general path was taken")
+    monkeypatch.setattr(api, "_slow", refuse)
+    monkeypatch.setattr(api, "_plans", {})
+
+
+@pytest.mark.parametrize("fw", ["torch", "cupy"])
+@pytest.mark.parametrize("name", CASES)
+def test_repeated_signature_takes_the_fast_path_with_the_same_bits(rng, monkeypatch, fw, name):
+    if fw == "torch":
+        pytest.importorskip("torch")
+    seed = int(rng.integers(2**31))
+    fn, args, kwargs = case(name, np.random.default_rng(seed), fw)
+    fn(*args, **kwargs)  # plans; the fast path keeps a launcher
+    # Three more calls of that signature on fresh arrays with the same values.
+    _, args, kwargs = case(name, np.random.default_rng(seed), fw)
+    _, args2, kwargs2 = case(name, np.random.default_rng(seed), fw)
+    _, ref_args, ref_kwargs = case(name, np.random.default_rng(seed), fw)
+    with monkeypatch.context() as m:
+        no_general_path(m)
+        got = fn(*args, **kwargs)
+        again = fn(*args2, **kwargs2)
+    with monkeypatch.context() as m:
+        general_path(m)
+        want = fn(*ref_args, **ref_kwargs)
+    first = got if isinstance(got, tuple) else (got,)
+    second = again if isinstance(again, tuple) else (again,)
+    for g, a, w in zip(host(got), host(again), host(want)):
+        assert np.array_equal(g, w) and np.array_equal(a, w), name
+    for r in first:  # every element written (out= arrays are NaN-poisoned)
+        assert not np.isnan(to_host(r).astype(np.float64)).any(), name
+    assert all(type(r) is type(args[0]) for r in first)
+    if "in place" in name:
+        assert first[0] is args[0] and second[0] is args2[0]
+    elif "out=" in name:
+        assert first[0] is kwargs["out"] and second[0] is kwargs2["out"]
+    else:  # outputs made per call: new arrays every time
+        assert all(a is not b for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("fw", ["torch", "cupy"])
+def test_fast_path_offsets_are_range_checked(rng, fw):
+    if fw == "torch":
+        pytest.importorskip("torch")
+    cos, sin = (to_device(t, fw) for t in angles())
+    x0 = rng.standard_normal((2, 16, 3, D)).astype(np.float32)
+    for offset in (0, 5, ROWS - 16):  # the last one reaches the table's last row
+        x = to_device(x0, fw)
+        got = cupy_rope.apply_rope(x, cos, sin, offsets=offset, inplace=True)
+        want = cupy_rope.apply_rope(to_device(x0, fw), cos, sin,
+                                    positions=to_device(np.arange(16) + offset, fw))
+        assert np.array_equal(bits(to_host(got)), bits(to_host(want)))
+    x = to_device(x0, fw)
+    with pytest.raises(ValueError, match="cos: the table has 48 rows"):
+        cupy_rope.apply_rope(x, cos, sin, offsets=ROWS - 15, inplace=True)
+    with pytest.raises(ValueError, match="positions reach -1"):
+        cupy_rope.apply_rope(x, cos, sin, offsets=-1, inplace=True)
+    assert np.array_equal(bits(to_host(x)), bits(x0))  # untouched
+
+
+def test_fast_path_still_refuses_overlap_and_keeps_aliases_apart(rng):
+    torch = pytest.importorskip("torch")
+    cos, sin = (to_device(t, "torch") for t in angles())
+    buf = torch.randn(2 * 16 * 3 * D + D, device="cuda")
+    x = buf[:-D].view(2, 16, 3, D)
+    cupy_rope.apply_rope(x, cos, sin, out=torch.empty_like(x))
+    cupy_rope.apply_rope(x, cos, sin, out=torch.empty_like(x))  # cached
+    before = buf.clone()
+    with pytest.raises(ValueError, match="out: overlaps x"):
+        cupy_rope.apply_rope(x, cos, sin, out=buf[D:].view(2, 16, 3, D))  # same signature
+    assert torch.equal(buf, before)
+    # out=x (one pointer twice) is a plan of its own: in place, every call
+    x0 = torch.randn(2, 16, 3, D, device="cuda")
+    want = cupy_rope.apply_rope(x0, cos, sin)
+    for _ in range(2):
+        x = x0.clone()
+        assert cupy_rope.apply_rope(x, cos, sin, out=x) is x
+        assert torch.equal(x, want)
+    # cos is sin: not the launcher of separate tables
+    y = cupy_rope.apply_rope(x0, cos, cos)
+    assert torch.equal(y, cupy_rope.apply_rope(x0, cos, cos.clone()))
+    assert not torch.equal(y, want)
+
+
+def test_fast_path_signature_follows_strides_and_device(rng):
+    torch = pytest.importorskip("torch")
+    cos, sin = (to_device(t, "torch") for t in angles())
+    x = torch.randn(2, 3, 16, D, device="cuda")  # [b, h, s, d] storage
+    view = x.transpose(1, 2)  # bshd view, same shape as the contiguous one below
+    dense = view.contiguous()
+    for _ in range(2):
+        a = cupy_rope.apply_rope(dense, cos, sin)
+        b = cupy_rope.apply_rope(view, cos, sin)
+        assert torch.equal(a, b)
+    # The same class on the host: the NumPy reference, not a GPU launcher.
+    h = cupy_rope.apply_rope(dense.cpu(), cos.cpu(), sin.cpu())
+    assert h.device.type == "cpu"
+    assert torch.allclose(h, a.cpu(), rtol=1e-5, atol=1e-5)
+
+
+def test_fast_path_in_a_new_thread(rng):
+    torch = pytest.importorskip("torch")
+    cos, sin = (to_device(t, "torch") for t in angles())
+    q0 = torch.randn(9, 8, D, device="cuda")
+    k0 = torch.randn(9, 2, D, device="cuda")
+    pos = torch.randint(0, ROWS, (9,), device="cuda")
+    kw = dict(positions=pos, layout="thd")
+    want = cupy_rope.apply_rope_qk(q0, k0, cos, sin, **kw)
+    cupy_rope.apply_rope_qk(q0, k0, cos, sin, **kw)  # cached
+    got, errors = [], []
+
+    def step():
+        try:
+            got.append(cupy_rope.apply_rope_qk(q0, k0, cos, sin, **kw))
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=step)
+    t.start()
+    t.join()
+    assert not errors, errors
+    assert torch.equal(got[0][0], want[0]) and torch.equal(got[0][1], want[1])
+
+
+def test_parameters_take_the_fast_path(rng, monkeypatch):
+    """torch.nn.Parameter (requiring grad or not) is signed like a tensor."""
+    torch = pytest.importorskip("torch")
+    cos, sin = (to_device(t, "torch") for t in angles())
+    x = torch.randn(2, 16, 3, D, device="cuda")
+    want = cupy_rope.apply_rope(x, cos, sin)
+    for grad in (False, True):
+        p = torch.nn.Parameter(x.clone(), requires_grad=grad)
+        assert torch.equal(cupy_rope.apply_rope(p, cos, sin), want)
+        with monkeypatch.context() as m:
+            no_general_path(m)
+            got = cupy_rope.apply_rope(torch.nn.Parameter(x.clone(), requires_grad=grad), cos, sin)
+        assert torch.equal(got, want)
