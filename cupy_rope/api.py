@@ -136,6 +136,17 @@ class _FastCall:
         return keep
 
 
+def clear_plans() -> None:
+    """Forget every cached launch plan: the general path's and the functional
+    fast path's (RotaryEmbedding objects keep their own qk_ launchers). The
+    next call of each signature is validated and planned again, under the
+    launcher's rules of that moment (scripts and tests that change them)."""
+    with _plans_lock:
+        _plans.clear()
+        _fast_calls.clear()
+        _fast_count[0] = 0
+
+
 def _fast_call(op, classes):
     """A _FastCall for arrays of these classes (None where absent), or False
     when some class has no straight-line signer (host arrays, JAX, ...)."""
@@ -180,7 +191,8 @@ def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None
     (a :class:`RotaryEmbedding`'s signed tables) replaces signing the tables;
     ``remember(prepared)`` is called with the prepared plan of a call whose
     arrays all have distinct pointers (RotaryEmbedding.qk_ keeps a launcher).
-    Functional calls look their pattern up in ``_fast_calls`` first.
+    Functional calls look their pattern up in ``_fast_calls`` first; on a
+    signature's first call there, its ``remember`` keeps the launcher.
     """
     if bound is None and (offsets is None or type(offsets) is int):
         arrays = head + tables + tail
@@ -191,6 +203,7 @@ def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None
         if fast is None:
             if len(_fast_calls) >= _MAX_FAST_LAUNCHERS:
                 _fast_calls.clear()
+                _fast_count[0] = 0
             fast = _fast_calls[(op, options, tuple(map(type, options + arrays)))] = _fast_call(
                 op, tuple(map(type, arrays)))
         if fast:
@@ -440,6 +453,8 @@ def _wrap(like, arr):
 
 _RESULTS = {"rope": _result_rope, "qk": _result_qk, "qkv": _result_qkv,
             "qkv_backward": _result_qkv_backward}
+
+
 # The keyword arguments of check_call for each op, rebuilt from _execute's
 # parts (the public functions pass no closure: its cells would cost every
 # call, the cached ones too). ``options`` are ordered as the functions build

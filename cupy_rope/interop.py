@@ -361,8 +361,8 @@ def signer(cls):
 def sign_kind(cls):
     """"torch" or "cupy": whose metadata, read straight (torch_readers for
     torch), signs arrays of class ``cls`` as their signer does; None for
-    other classes, torch subclasses included (their attributes may go
-    through ``__torch_function__``, which the unbound readers skip)."""
+    other classes, torch subclasses included (a subclass may override
+    those attributes in Python, which TensorBase's readers do not see)."""
     f = signer(cls)
     if f is _cupy_sign:
         return "cupy"

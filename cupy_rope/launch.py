@@ -860,8 +860,8 @@ def bound_launcher(plan: Plan, pairs, args: dict, consts: dict):
     names (the function's parameters, in that order), ``consts`` maps the
     other indices to fixed pointers (a RotaryEmbedding's tables; 0 for
     absent arrays). The function tests
-    ``pairs`` apart (as :func:`spans_apart`) and returns False without
-    launching if they may overlap; otherwise it packs the data pointers
+    ``pairs`` apart (as :func:`check_disjoint`) and returns False without
+    launching if they overlap; otherwise it packs the data pointers
     (scalar offset 0) into the calling thread's copy of the plan's
     parameters and launches on the current stream, returning True.
     Generated once per plan as straight-line code: it runs on every cached
@@ -883,8 +883,8 @@ def call_launcher(plan: Plan, pairs, given, n_slots: int, offset_range, result):
     ``p`` holds the call's ``n_slots`` array pointers (0 for absent
     arrays), ``given`` the indices of the arrays present (the others are
     the constant 0). ``go`` returns ``NotImplemented`` without launching
-    when ``offset`` lies outside ``offset_range`` or ``pairs`` may overlap
-    (the general path then decides), else launches with the scalar
+    when ``offset`` lies outside ``offset_range`` or ``pairs`` overlap
+    (the general path then raises), else launches with the scalar
     ``offset`` and returns ``result(arrays, ())``. Straight-line code as
     :func:`bound_launcher`'s; api keeps one per signature seen.
     """
@@ -905,16 +905,21 @@ def _generate_launcher(plan, pairs, params, ref, n_slots, offset, guard, done, r
     """Source and compile the straight-line launcher of ``plan``: ``ref(i,
     byte_offset)`` is the text of array i's pointer (plus a byte offset),
     ``offset`` the text of the scalar position offset, ``guard`` an extra
-    condition (or None), ``done`` / ``refused`` the returned texts."""
+    condition (or None), ``done`` / ``refused`` the returned texts. Spans
+    that the quick test cannot tell apart (q and k sliced from one qkv
+    buffer interleave) get the exact test, as _Prepared.run gives them."""
     apart = _apart_expr(pairs, ref)
-    if guard is not None:
-        apart = f"({guard}) and {apart}"
     ptrs = ", ".join(ref(i, off) for i, off in plan.slots)
     slow = ", ".join(ref(i) for i in range(n_slots))
-    src = f"""def go({", ".join(params)}):
-    if not ({apart}):
+    checks = f"""    if not ({guard}):
         return {refused}
-    if empty:
+""" if guard is not None else ""
+    if pairs:
+        checks += f"""    if not ({apart}) and not disjoint(pairs, [{slow}]):
+        return {refused}
+"""
+    src = f"""def go({", ".join(params)}):
+{checks}    if empty:
         return {done}
     stream = stream_of(dev)
     mine = buffers.get(ident())
@@ -940,7 +945,7 @@ def _generate_launcher(plan, pairs, params, ref, n_slots, offset, guard, done, r
     env = dict(empty=plan.empty, stream_of=plan.stream, dev=plan.device_id, buffers=plan.buffers,
                ident=threading.get_ident, pack=_pack_dynamic,
                get_device=getDevice, kernel=plan.kernel, launch_kernel=driver.launchKernel,
-               plan=plan, **extra)
+               plan=plan, disjoint=check_disjoint, pairs=pairs, **extra)
     exec(src, env)  # noqa: S102 - integers, indices and fixed names only
     go = env["go"]
     go.plan = plan  # for the benchmark's bare-launch timing and scripts/launch_cost.py

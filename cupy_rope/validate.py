@@ -212,7 +212,7 @@ def _host_values(t: Tensor) -> Optional[np.ndarray]:
     """Values of a host array (NumPy, CPU torch), else None."""
     if t.on_gpu:
         return None
-    return np.asarray(t.obj if t.kind != "torch" else t.obj.detach().numpy())
+    return np.asarray(t.obj if t.kind != "torch" else t.obj.numpy())
 
 
 # --------------------------------------------------------------- angles ----

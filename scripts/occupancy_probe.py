@@ -31,7 +31,7 @@ def measure(w, t_copy, comp, ours, args_o):
     args_c, compiled = comp
     res = []
     for size in sizes:
-        api._plans.clear()
+        api.clear_plans()
         SHMEM[0] = 0
         ours.call[False](*args_o[0])
         plan = [v.plan for v in api._plans.values()][0]

@@ -41,7 +41,7 @@ def main():
             res["cu_seqlens"].append(bench.time_call(cu_call, args, 30, 5)[0] * 1e3)
             for name, flag in (("positions flat", True), ("positions before", False)):
                 launch.FLAT_POSITIONS = flag
-                api._plans.clear()
+                api.clear_plans()
                 res[name].append(bench.time_call(pos_call, args, 30, 5)[0] * 1e3)
             launch.FLAT_POSITIONS = True
             for name, macros in macro_variants:

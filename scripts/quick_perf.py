@@ -55,7 +55,7 @@ def use_macros(defines):
     from cupy_rope import api, specialize
     specialize.NVRTC_OPTIONS = (*SHIPPED_NVRTC_OPTIONS, *[f"-D{d}" for d in defines])
     specialize._modules.clear()
-    api._plans.clear()
+    api.clear_plans()
 
 
 def variant(unroll, min_blocks, lanes=32, varlen_tokens=None, threads=256, defines=()):
@@ -87,7 +87,7 @@ def set_policy(settings, defaults):
             getattr(launch, a)[int(key)] = int(v)
         else:
             setattr(launch, a, int(v))
-    api._plans.clear()
+    api.clear_plans()
 
 
 def partial_floor(cos, sin, rnd, d=128):
@@ -366,7 +366,7 @@ def sources():
                 # choice sends computed angles for many heads to rope_kernel).
                 launch.PACKET_KERNELS = packets
                 launch.COMPUTED_ANGLES_HEADS = 1 << 30 if packets else default_heads
-                api._plans.clear()
+                api.clear_plans()
                 t = time_us(lambda x, o: cupy_rope.apply_rope(x, out=o, layout=layout, **kw),
                             sets)
                 res.append(f"{name}/{'pk' if packets else 'rk'} {t_copy / t:.3f}")
@@ -374,7 +374,7 @@ def sources():
         print(f"{what:24s}", " ".join(res), flush=True)
         del sets
     launch.PACKET_KERNELS, launch.COMPUTED_ANGLES_HEADS = default_packets, default_heads
-    api._plans.clear()
+    api.clear_plans()
 
 
 def explicit():
@@ -400,7 +400,7 @@ def explicit():
             launch.FLAT_POSITIONS = name == "fl"
             launch.PACKET_KERNELS = name != "rk"
             launch.EXPLICIT_PACKET_ROWS = 1 << 62 if name == "pk" else default_rows
-            api._plans.clear()
+            api.clear_plans()
             t = time_us(call, sets)
             res.append(f"{name} {t:7.1f} us {t_copy / t:.3f}")
         launch.FLAT_POSITIONS = True
@@ -461,7 +461,7 @@ def explicit():
         print(f"{'qk [16384, 32/8 x 128] ' + name:34s}", res, flush=True)
         del sets
     launch.PACKET_KERNELS, launch.EXPLICIT_PACKET_ROWS = default_packets, default_rows
-    api._plans.clear()
+    api.clear_plans()
 
 
 def main(host=True):

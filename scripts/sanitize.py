@@ -230,7 +230,7 @@ def flat_rows():
     from cupy_rope import api, launch
     shipped = launch.FLAT_EARLY_TABLES_BYTES
     launch.FLAT_EARLY_TABLES_BYTES = 0
-    api._plans.clear()
+    api.clear_plans()
     try:
         for d in (64, 128):
             cos, sin = tables(d, 40)
@@ -249,7 +249,7 @@ def flat_rows():
         assert all(p.plan.spec.early_tables for p in api._plans.values())
     finally:
         launch.FLAT_EARLY_TABLES_BYTES = shipped
-        api._plans.clear()
+        api.clear_plans()
     # fp32 rows in position order, out of place: x with an L2 evict-last policy
     for d in (64, 128, 256):
         cos, sin = tables(d, 40)

@@ -44,7 +44,7 @@ def formula(x, c, s):
 
 
 torch.compile(formula, dynamic=False)(x, full_c, full_s)
-api._plans.clear()
+api.clear_plans()
 cupy_rope.apply_rope(x, cos, sin, out=o, layout="sbhd")
 torch.cuda.synchronize()
 

@@ -72,3 +72,12 @@ def angle_sources(rng, dtype, rotary_dim, rows):
     if dtype != "float32":
         out["table_x"] = {"cos": cos.astype(np_dtype(dtype)), "sin": sin.astype(np_dtype(dtype))}
     return out
+
+
+def fresh_plans(monkeypatch) -> None:
+    """Empty plan caches for this test (restored after it): the next call of
+    every signature is planned under the launcher rules the test sets."""
+    from cupy_rope import api
+
+    monkeypatch.setattr(api, "_plans", {})
+    monkeypatch.setattr(api, "_fast_calls", {})

@@ -165,13 +165,83 @@ def test_fast_path_still_refuses_overlap_and_keeps_aliases_apart(rng):
         x = x0.clone()
         assert cupy_rope.apply_rope(x, cos, sin, out=x) is x
         assert torch.equal(x, want)
-    # cos is sin: not the launcher of separate tables
+    # cos is sin: never the fast path (its launchers assume distinct arrays)
     y = cupy_rope.apply_rope(x0, cos, cos)
     assert torch.equal(y, cupy_rope.apply_rope(x0, cos, cos.clone()))
     assert not torch.equal(y, want)
 
 
-def test_fast_path_signature_follows_strides_and_device(rng):
+def test_aliased_arrays_always_take_the_general_path(rng, monkeypatch):
+    torch = pytest.importorskip("torch")
+    cos, _ = (to_device(t, "torch") for t in angles())
+    x = torch.randn(2, 16, 3, D, device="cuda")
+    for _ in range(2):
+        y = cupy_rope.apply_rope(x, cos, cos)
+    with monkeypatch.context() as m:
+        no_general_path(m)
+        with pytest.raises(AssertionError, match="general path"):
+            cupy_rope.apply_rope(x, cos, cos)
+        with pytest.raises(AssertionError, match="general path"):
+            x2 = x.clone()
+            cupy_rope.apply_rope(x2, cos, cos.clone(), out=x2)
+    assert torch.equal(y, cupy_rope.apply_rope(x, cos, cos.clone()))
+
+
+def test_clear_plans_replans_and_the_cache_is_bounded(rng, monkeypatch):
+    torch = pytest.importorskip("torch")
+    cos, sin = (to_device(t, "torch") for t in angles())
+    slow = []
+    real = api._slow
+    monkeypatch.setattr(api, "_slow", lambda *a: slow.append(1) or real(*a))
+    x = torch.randn(2, 16, 3, D, device="cuda")
+    want = cupy_rope.apply_rope(x, cos, sin)
+    cupy_rope.apply_rope(x, cos, sin)
+    n = len(slow)
+    api.clear_plans()
+    assert torch.equal(cupy_rope.apply_rope(x, cos, sin), want)
+    assert len(slow) == n + 1  # planned again
+    # At most _MAX_FAST_LAUNCHERS launchers: then the fast path starts afresh.
+    monkeypatch.setattr(api, "_MAX_FAST_LAUNCHERS", 2)
+    api.clear_plans()
+    xs = [torch.randn(2, s, 3, D, device="cuda") for s in (5, 6, 7)]
+    wants = [cupy_rope.apply_rope(v, cos, sin) for v in xs]
+    for _ in range(2):
+        for v, w in zip(xs, wants):
+            assert torch.equal(cupy_rope.apply_rope(v, cos, sin), w)
+            assert api._fast_count[0] <= 2
+            assert sum(len(f.launchers) for f in api._fast_calls.values() if f) <= 2
+
+
+def test_q_and_k_sliced_from_one_qkv_buffer_stay_on_the_fast_path(rng, monkeypatch):
+    """In-place q and k cut from one packed projection (vLLM's layout): their
+    spans interleave, so the launchers use the exact overlap test."""
+    torch = pytest.importorskip("torch")
+    t, hq, hk = 12, 8, 2
+    cache = to_device(np.concatenate(angles(), 1), "torch")
+    pos = torch.randint(0, ROWS, (t,), device="cuda")
+    rope = cupy_rope.RotaryEmbedding(cos_sin_cache=cache, layout="thd")
+
+    def views(buf):
+        return (buf[:, :hq * D].view(t, hq, D), buf[:, hq * D:(hq + hk) * D].view(t, hk, D))
+
+    qkv0 = torch.randn(t, (hq + 2 * hk) * D, device="cuda", dtype=torch.bfloat16)
+    want = qkv0.clone()
+    cupy_rope.apply_rope_qk(*views(want), cos_sin_cache=cache, positions=pos, layout="thd",
+                            inplace=True)
+    bufs = [qkv0.clone() for _ in range(4)]
+    cupy_rope.apply_rope_qk(*views(bufs[0]), cos_sin_cache=cache, positions=pos, layout="thd",
+                            inplace=True)
+    rope.qk_(*views(bufs[1]), pos)
+    with monkeypatch.context() as m:
+        no_general_path(m)  # qk_ off its fast path would reach it too
+        cupy_rope.apply_rope_qk(*views(bufs[2]), cos_sin_cache=cache, positions=pos,
+                                layout="thd", inplace=True)
+        rope.qk_(*views(bufs[3]), pos)
+    for b in bufs:
+        assert torch.equal(b, want)  # v untouched, q and k rotated as by the general path
+
+
+def test_fast_path_signature_follows_strides_and_skips_host_tensors(rng):
     torch = pytest.importorskip("torch")
     cos, sin = (to_device(t, "torch") for t in angles())
     x = torch.randn(2, 3, 16, D, device="cuda")  # [b, h, s, d] storage
@@ -187,29 +257,33 @@ def test_fast_path_signature_follows_strides_and_device(rng):
     assert torch.allclose(h, a.cpu(), rtol=1e-5, atol=1e-5)
 
 
-def test_fast_path_in_a_new_thread(rng):
+def test_fast_path_in_a_new_thread(rng, monkeypatch):
+    """A cached in-place call (a generated launcher) from a thread with no
+    CUDA context yet: the launcher's general launch makes it current."""
     torch = pytest.importorskip("torch")
     cos, sin = (to_device(t, "torch") for t in angles())
     q0 = torch.randn(9, 8, D, device="cuda")
     k0 = torch.randn(9, 2, D, device="cuda")
     pos = torch.randint(0, ROWS, (9,), device="cuda")
-    kw = dict(positions=pos, layout="thd")
-    want = cupy_rope.apply_rope_qk(q0, k0, cos, sin, **kw)
-    cupy_rope.apply_rope_qk(q0, k0, cos, sin, **kw)  # cached
+    kw = dict(positions=pos, layout="thd", inplace=True)
+    want = cupy_rope.apply_rope_qk(q0.clone(), k0.clone(), cos, sin, **kw)  # plans
+    q, k = q0.clone(), k0.clone()
     got, errors = [], []
 
     def step():
         try:
-            got.append(cupy_rope.apply_rope_qk(q0, k0, cos, sin, **kw))
+            got.append(cupy_rope.apply_rope_qk(q, k, cos, sin, **kw))
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
-    t = threading.Thread(target=step)
-    t.start()
-    t.join()
+    with monkeypatch.context() as m:
+        no_general_path(m)
+        t = threading.Thread(target=step)
+        t.start()
+        t.join()
     assert not errors, errors
-    assert torch.equal(got[0][0], want[0]) and torch.equal(got[0][1], want[1])
+    assert got[0][0] is q and torch.equal(q, want[0]) and torch.equal(k, want[1])
 
 
 def test_parameters_take_the_fast_path(rng, monkeypatch):

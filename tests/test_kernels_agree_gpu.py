@@ -18,7 +18,7 @@ import pytest
 import cupy_rope
 from conftest import assert_close, np_dtype, oracle
 from cupy_rope import api, launch
-from gpu_util import angle_sources, bits, full_nan, to_device, to_host
+from gpu_util import angle_sources, bits, fresh_plans, full_nan, to_device, to_host
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +34,7 @@ def _run(kernels: str, monkeypatch, x_dev, kw_dev, mode, dtype, out_like_x=False
 
     monkeypatch.setattr(launch, "FLAT_KERNELS", kernels == "flat")
     monkeypatch.setattr(launch, "PACKET_KERNELS", kernels != "heads")
-    monkeypatch.setattr(api, "_plans", {})
+    fresh_plans(monkeypatch)
     if mode == "inplace":
         work = cupy.empty_like(x_dev)
         work[...] = x_dev
@@ -131,7 +131,7 @@ def test_qk_with_one_slab_walked_head_major(rng, monkeypatch, dtype):
     for kernels in ("flat", "packets", "heads"):
         monkeypatch.setattr(launch, "FLAT_KERNELS", kernels == "flat")
         monkeypatch.setattr(launch, "PACKET_KERNELS", kernels != "heads")
-        monkeypatch.setattr(api, "_plans", {})
+        fresh_plans(monkeypatch)
         k_dev = to_device(k)
         q_dev = to_device(np.ascontiguousarray(q.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
         out_q = full_nan((b, hq, s, d), dtype).transpose(0, 2, 1, 3)  # q's memory order
@@ -165,7 +165,7 @@ def test_flat_kernel_for_the_slab_count_and_for_any(rng, monkeypatch, dtype, k_h
     got = {}
     for exact in (True, False):
         monkeypatch.setattr(launch, "FLAT_EXACT_SLABS", exact)
-        monkeypatch.setattr(api, "_plans", {})
+        fresh_plans(monkeypatch)
         outs = [full_nan(x.shape, dtype), full_nan(k.shape, dtype)]
         if k_heads:
             cupy_rope.apply_rope_qk(to_device(x), to_device(k), **kw_dev, out_q=outs[0],
@@ -320,7 +320,7 @@ def test_flat_kernel_explicit_positions_q_and_k_decode(rng, monkeypatch, pos_dty
     for kernels in ("flat", "heads"):
         monkeypatch.setattr(launch, "FLAT_KERNELS", kernels == "flat")
         monkeypatch.setattr(launch, "PACKET_KERNELS", kernels != "heads")
-        monkeypatch.setattr(api, "_plans", {})
+        fresh_plans(monkeypatch)
         q_dev, k_dev = to_device(q), to_device(k)
         cupy_rope.apply_rope_qk(q_dev, k_dev, cos_sin_cache=cache_dev, positions=pos_dev,
                                 layout="thd", head_dim=d, inplace=True)
@@ -372,7 +372,7 @@ def test_flat_kernel_early_and_late_tables_agree(rng, monkeypatch, interleaved, 
         got = {}
         for bound in (shipped, 0):
             monkeypatch.setattr(launch, "FLAT_EARLY_TABLES_BYTES", bound)
-            monkeypatch.setattr(api, "_plans", {})
+            fresh_plans(monkeypatch)
             outs = (full_nan(q.shape, dtype), full_nan(k.shape, dtype))
             cupy_rope.apply_rope_qk(to_device(q), to_device(k), **kw, layout="sbhd",
                                     interleaved=interleaved, out_q=outs[0], out_k=outs[1])
@@ -416,7 +416,7 @@ def test_flat_kernel_x_evict_last_gives_the_same_bits(rng, monkeypatch, interlea
     got = {}
     for on in (True, False):
         monkeypatch.setattr(launch, "FLAT_X_EVICT_LAST", on)
-        monkeypatch.setattr(api, "_plans", {})
+        fresh_plans(monkeypatch)
         outs = (full_nan(q.shape, "float32"), full_nan(k.shape, "float32"))
         cupy_rope.apply_rope_qk(to_device(q), to_device(k), **kw, layout="sbhd",
                                 interleaved=interleaved, out_q=outs[0], out_k=outs[1])

@@ -24,8 +24,8 @@ torch = pytest.importorskip("torch")
 
 import cupy_rope  # noqa: E402
 from conftest import assert_close, np_dtype  # noqa: E402
-from cupy_rope import api, reference, specialize  # noqa: E402
-from gpu_util import bits, to_device, to_host  # noqa: E402
+from cupy_rope import reference, specialize  # noqa: E402
+from gpu_util import bits, fresh_plans, to_device, to_host  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -180,7 +180,7 @@ def test_threads_compile_each_specialization_once(rng, monkeypatch):
     # Forget compiled kernels and plans: the first calls below compile again
     # (from CuPy's disk cache when warm), racing each other.
     monkeypatch.setattr(specialize, "_modules", {})
-    monkeypatch.setattr(api, "_plans", {})
+    fresh_plans(monkeypatch)
 
     jobs = []
     for dtype, interleaved, d in SPECS:
