@@ -97,13 +97,14 @@ def _sig_of(a):
 
 
 # ------------------------------------------------------ functional fast path --
-# A functional call (apply_rope*, no bound tables) with no offsets array is
-# first looked up by its op, options and the classes of its options and
-# arrays (None included): a _FastCall holds, for that pattern, a generated
-# signer (straight-line reads of each present array's dtype, shape,
-# strides, device and pointer) and a launcher per signature seen, made from
-# the general path's cached plan. Anything else, and every first call,
-# takes the general path below.
+# A call (apply_rope*, or a RotaryEmbedding method other than qk_, which has
+# its own) with no offsets array is first looked up by its op, options, the
+# classes of its options and arrays (None included) and the bound object's
+# tables if any: a _FastCall holds, for that pattern, a generated signer
+# (straight-line reads of each array's dtype, shape, strides, device and
+# pointer; a bound object's table pointers are constants) and a launcher
+# per signature seen, made from the general path's cached plan. Anything
+# else, and every first call, takes the general path below.
 _fast_calls: dict = {}
 #: Launchers (and patterns) kept before the fast path starts afresh (as _plans).
 _MAX_FAST_LAUNCHERS = 4096
@@ -113,10 +114,11 @@ _fast_count = [0]
 class _FastCall:
     """The signer and launchers of one (op, options, classes) pattern."""
 
-    __slots__ = ("op", "sign", "given", "n_slots", "launchers")
+    __slots__ = ("op", "sign", "given", "n_slots", "bound", "launchers")
 
-    def __init__(self, op, sign, given, n_slots):
+    def __init__(self, op, sign, given, n_slots, bound):
         self.op, self.sign, self.given, self.n_slots = op, sign, given, n_slots
+        self.bound = bound  # a RotaryEmbedding's signed tables (or None), kept alive
         self.launchers: dict = {}
 
     def remember(self, sig):
@@ -147,13 +149,22 @@ def clear_plans() -> None:
         _fast_count[0] = 0
 
 
-def _fast_call(op, classes):
+def _fast_call(op, classes, n_head, bound):
     """A _FastCall for arrays of these classes (None where absent), or False
-    when some class has no straight-line signer (host arrays, JAX, ...)."""
+    when some class has no straight-line signer (host arrays, JAX, ...).
+    With ``bound`` (a RotaryEmbedding's signed tables, which follow the
+    ``n_head`` head arrays) the tables' pointers are constants, not read."""
     body, sig, given = [], [], []
+    ptr_text = {}
+    if bound is not None:
+        ptr_text = {n_head + j: str(int(p)) for j, p in enumerate(bound[1]) if p}
     for i, cls in enumerate(classes):
         if cls is type(None):
             continue
+        if i in ptr_text:
+            given.append(i)
+            continue
+        ptr_text[i] = f"p{i}"
         kind = interop.sign_kind(cls)
         a, d, p = f"a{i}", f"d{i}", f"p{i}"
         body.append(f"    {a} = arrays[{i}]")
@@ -167,18 +178,18 @@ def _fast_call(op, classes):
         else:
             return False
         given.append(i)
-    if not given:
+    if not sig:
         return False
-    ptrs = [f"p{i}" if i in given else "0" for i in range(len(classes))]
+    ptrs = [ptr_text.get(i, "0") for i in range(len(classes))]
     if len(given) > 1:
         # Arrays sharing a pointer (out=x, q is k) keep to the general path.
-        body += [f"    if len({{{', '.join(f'p{i}' for i in given)}}}) != {len(given)}:",
+        body += [f"    if len({{{', '.join(ptr_text[i] for i in given)}}}) != {len(given)}:",
                  "        return None"]
     src = "def sign(arrays):\n" + "\n".join(body) + (
         f"\n    return ({', '.join(sig)}), ({', '.join(ptrs)},)\n")
     env = interop.torch_readers()
-    exec(src, env)  # noqa: S102 - indices and fixed names only
-    return _FastCall(op, env["sign"], tuple(given), len(classes))
+    exec(src, env)  # noqa: S102 - indices, integers and fixed names only
+    return _FastCall(op, env["sign"], tuple(given), len(classes), bound)
 
 
 def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None):
@@ -191,21 +202,26 @@ def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None
     (a :class:`RotaryEmbedding`'s signed tables) replaces signing the tables;
     ``remember(prepared)`` is called with the prepared plan of a call whose
     arrays all have distinct pointers (RotaryEmbedding.qk_ keeps a launcher).
-    Functional calls look their pattern up in ``_fast_calls`` first; on a
-    signature's first call there, its ``remember`` keeps the launcher.
+    Calls without a ``remember`` of their own (all but qk_) look their
+    pattern up in ``_fast_calls`` first; on a signature's first call there,
+    its ``remember`` keeps the launcher.
     """
-    if bound is None and (offsets is None or type(offsets) is int):
+    if remember is None and (offsets is None or type(offsets) is int):
         arrays = head + tables + tail
+        # A bound object's tables are its own: its pattern is its own too (the
+        # _FastCall holds ``bound``, so the id stays unique while it lives).
+        pattern = (op, options, tuple(map(type, options + arrays)),
+                   None if bound is None else id(bound))
         try:
-            fast = _fast_calls.get((op, options, tuple(map(type, options + arrays))))
+            fast = _fast_calls.get(pattern)
         except TypeError:  # an unhashable option: validation will say what is wrong
             fast = False
         if fast is None:
             if len(_fast_calls) >= _MAX_FAST_LAUNCHERS:
                 _fast_calls.clear()
                 _fast_count[0] = 0
-            fast = _fast_calls[(op, options, tuple(map(type, options + arrays)))] = _fast_call(
-                op, tuple(map(type, arrays)))
+            fast = _fast_calls[pattern] = _fast_call(op, tuple(map(type, arrays)), len(head),
+                                                     bound)
         if fast:
             got = fast.sign(arrays)
             if got is not None:

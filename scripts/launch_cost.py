@@ -86,6 +86,8 @@ bound = getattr(cupy_rope, "RotaryEmbedding", None)
 if bound is not None:
     rope = bound(cos_sin_cache=cache, layout="thd")
     show("end to end RotaryEmbedding.qk_ (torch)", per_call(lambda: rope.qk_(q, k, pos)))
+    show("end to end RotaryEmbedding.qk (torch, in place)",
+         per_call(lambda: rope.qk(q, k, pos, inplace=True)))
     qc, kc, cc, pc = (cupy.from_dlpack(t) for t in (q, k, cache, pos))
     rope_c = bound(cos_sin_cache=cc, layout="thd")
     show("end to end RotaryEmbedding.qk_ (cupy)", per_call(lambda: rope_c.qk_(qc, kc, pc)))

@@ -82,7 +82,7 @@ def host(result):
 def general_path(monkeypatch):
     """Every functional call takes the general path from here on."""
     monkeypatch.setattr(api, "_fast_calls", {})
-    monkeypatch.setattr(api, "_fast_call", lambda op, classes: False)
+    monkeypatch.setattr(api, "_fast_call", lambda *a: False)
 
 
 def no_general_path(monkeypatch):
@@ -299,3 +299,49 @@ def test_parameters_take_the_fast_path(rng, monkeypatch):
             no_general_path(m)
             got = cupy_rope.apply_rope(torch.nn.Parameter(x.clone(), requires_grad=grad), cos, sin)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fw", ["torch", "cupy"])
+def test_bound_methods_take_the_fast_path_with_their_own_tables(rng, monkeypatch, fw):
+    """RotaryEmbedding.rope / qk / qkv / qkv_backward: cached calls skip the
+    general path, and two objects whose tables differ only in their values
+    (the same signatures) each launch with their own tables."""
+    if fw == "torch":
+        pytest.importorskip("torch")
+    dtype = "float32"
+    cos, sin = angles()
+    ropes = [cupy_rope.RotaryEmbedding(to_device(c, fw), to_device(s_, fw))
+             for c, s_ in ((cos, sin), (sin, cos))]
+    seed = int(rng.integers(2**31))
+
+    def calls(rope, r):
+        x = rand(r, (2, 16, 3, D), dtype, fw)
+        q, k = rand(r, (2, 16, 4, D), dtype, fw), rand(r, (2, 16, 1, D), dtype, fw)
+        qkv = rand(r, (2, 16, 6 * D), dtype, fw)
+        dq, dk, dv = (rand(r, (2, 16, h, D), dtype, fw) for h in (4, 1, 1))
+        return [rope(x), rope.qk(q, k, out_q=poison(q.shape, dtype, fw),
+                                 out_k=poison(k.shape, dtype, fw)),
+                rope.qkv(qkv, num_q_heads=4, num_kv_heads=1),
+                rope.qkv_backward(dq, dk, dv)]
+
+    def flat(results):
+        out = []
+        for r in results:
+            out += host(r)
+        return out
+
+    for rope in ropes:
+        calls(rope, np.random.default_rng(seed))  # plans
+    got = []
+    with monkeypatch.context() as m:
+        no_general_path(m)
+        for rope in ropes:
+            got.append(flat(calls(rope, np.random.default_rng(seed))))
+    with monkeypatch.context() as m:
+        general_path(m)
+        want = [flat(calls(rope, np.random.default_rng(seed))) for rope in ropes]
+    for g, w in zip(got, want):
+        assert len(g) == len(w) == 7
+        assert all(np.array_equal(a, b) for a, b in zip(g, w))
+    assert not np.array_equal(got[0][0], got[1][0])  # each object its own tables
+
