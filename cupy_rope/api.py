@@ -97,8 +97,9 @@ def _sig_of(a):
 
 
 # ------------------------------------------------------ functional fast path --
-# A call (apply_rope*, or a RotaryEmbedding method other than qk_, which has
-# its own) with no offsets array is first looked up by its op, options, the
+# A call (apply_rope*, or a RotaryEmbedding method; qk_ keeps launchers of
+# its own and comes here only when those cannot serve) with no offsets
+# array is first looked up by its op, options, the
 # classes of its options and arrays (None included) and the bound object's
 # tables if any: a _FastCall holds, for that pattern, a generated signer
 # (straight-line reads of each array's dtype, shape, strides, device and
@@ -112,7 +113,7 @@ _fast_count = [0]
 
 
 class _FastCall:
-    """The signer and launchers of one (op, options, classes) pattern."""
+    """The signer and launchers of one (op, options, classes, bound tables) pattern."""
 
     __slots__ = ("op", "sign", "given", "n_slots", "bound", "launchers")
 
@@ -202,9 +203,9 @@ def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None
     (a :class:`RotaryEmbedding`'s signed tables) replaces signing the tables;
     ``remember(prepared)`` is called with the prepared plan of a call whose
     arrays all have distinct pointers (RotaryEmbedding.qk_ keeps a launcher).
-    Calls without a ``remember`` of their own (all but qk_) look their
-    pattern up in ``_fast_calls`` first; on a signature's first call there,
-    its ``remember`` keeps the launcher.
+    Calls without a ``remember`` of their own (qk_ brings one for a
+    signature it will keep) look their pattern up in ``_fast_calls`` first;
+    on a signature's first call there, its ``remember`` keeps the launcher.
     """
     if remember is None and (offsets is None or type(offsets) is int):
         arrays = head + tables + tail
@@ -776,6 +777,11 @@ class RotaryEmbedding:
         self._fast = {} if signed else None
         self._qk_options = self._options(True, False)
 
+    def __reduce__(self):
+        """Copies and pickles are made again through ``__init__``, which signs
+        their own tables (a deep copy's tables have new pointers)."""
+        return (_rotary_embedding, (self._tables, self._fixed))
+
     def _options(self, *front, tail=()):
         f = self._fixed
         return (f["layout"], f["interleaved"], f["rotary_dim"], *front, f["cp_size"],
@@ -848,3 +854,10 @@ class RotaryEmbedding:
         return _execute(
             "qkv_backward", (dq, dk, dv), self._tables, (positions, cu_seqlens, out),
             self._options(tail=(packing,)), offsets, self._bound)
+
+
+def _rotary_embedding(tables, fixed):
+    """RotaryEmbedding.__reduce__'s constructor."""
+    cos, sin, inv_freq, freqs, cos_sin_cache = tables
+    return RotaryEmbedding(cos, sin, inv_freq=inv_freq, freqs=freqs, cos_sin_cache=cos_sin_cache,
+                           **fixed)

@@ -125,35 +125,43 @@ def _check_dtype(t: Tensor, name: str, allowed) -> None:
 
 
 def lattice(t: Tensor):
-    """(period, reach) in bytes if every byte of ``t`` lies in
-    ptr + period * Z + [0, reach) with reach <= period, else None.
+    """The (period, reach) pairs in bytes such that every byte of ``t`` lies
+    in ptr + period * Z + [0, reach) with reach <= period, one per axis
+    whose stride can serve as the period (finest first); None if none.
 
     This describes views that interleave with others in one buffer, such as
-    q and k slices of a packed [t, (hq + 2 hk) * d] projection: their rows
-    share a period and their per-row footprints do not meet.
+    q and k slices of a packed [t, (hq + 2 hk) * d] projection, or of
+    [b, s, hq + 2 hk, d]: at some shared period their footprints do not
+    meet (for [b, s, h, d] the period of one token's heads, not of a batch
+    entry's tokens).
     """
     dims = sorted((st, n) for n, st in zip(t.shape, t.strides) if n > 1)
     if not dims or dims[0][0] <= 0:
         return None
-    best, reach = None, 1
+    levels, reach = [], 1
     for i, (st, n) in enumerate(dims):
         if i and st >= reach and all(o % st == 0 for o, _ in dims[i:]):
-            best = (st * t.itemsize, reach * t.itemsize)
+            levels.append((st * t.itemsize, reach * t.itemsize))
         reach = max(reach, st * (n - 1) + reach)
-    return best
+    return tuple(levels) or None
 
 
 def disjoint_at(pa: int, span_a: tuple, lat_a, pb: int, span_b: tuple, lat_b) -> bool:
     """Can two views at data pointers pa, pb (spans and lattices relative to
-    their pointers) share no byte? A sufficient test: spans apart, or the
-    same row period with per-row footprints that do not meet."""
+    their pointers) share no byte? A sufficient test: spans apart, or a
+    period both lattices have at which the footprints do not meet."""
     if not (pa + span_a[0] < pb + span_b[1] and pb + span_b[0] < pa + span_a[1]):
         return True
-    if lat_a is None or lat_b is None or lat_a[0] != lat_b[0]:
+    if lat_a is None or lat_b is None:
         return False
-    period = lat_a[0]
-    d = (pb - pa) % period  # where b's footprint starts, counted from a's
-    return d >= lat_a[1] and period - d >= lat_b[1]
+    reach_b = dict(lat_b)
+    for period, reach_a in lat_a:
+        rb = reach_b.get(period)
+        if rb is not None:
+            d = (pb - pa) % period  # where b's footprint starts, counted from a's
+            if d >= reach_a and period - d >= rb:
+                return True
+    return False
 
 
 def rel_span(t: Tensor) -> tuple:

@@ -81,3 +81,4 @@ def fresh_plans(monkeypatch) -> None:
 
     monkeypatch.setattr(api, "_plans", {})
     monkeypatch.setattr(api, "_fast_calls", {})
+    monkeypatch.setattr(api, "_fast_count", [0])

@@ -211,3 +211,28 @@ def test_bound_fast_path_in_a_new_thread_and_planned_once(rng, monkeypatch):
     for _ in range(3):
         rope.qk_(qi, ki, pos)
     assert len(built) == 2
+
+
+def test_bound_deep_copy_signs_its_own_tables(rng):
+    """A deep copy's tables have new pointers: its cached calls read them,
+    not the original's (which here change and then go away)."""
+    torch = pytest.importorskip("torch")
+    import copy
+
+    _, cos, sin = tables(64, 100)
+    cache = torch.from_numpy(np.concatenate([cos, sin], 1)).cuda()
+    rope = cupy_rope.RotaryEmbedding(cos_sin_cache=cache, layout="thd")
+    x = torch.randn(10, 3, 64, device="cuda")
+    q, k = torch.randn(10, 4, 64, device="cuda"), torch.randn(10, 2, 64, device="cuda")
+    pos = torch.arange(10, device="cuda") + 50
+    want = rope(x, pos)
+    want_qk = rope.qk(q, k, pos)
+    rope.qk_(q.clone(), k.clone(), pos)  # qk_'s own launcher cached
+    dup = copy.deepcopy(rope)
+    cache.mul_(-1)
+    del rope, cache
+    for _ in range(2):  # planned, then cached
+        assert torch.equal(dup(x, pos), want)
+        q2, k2 = q.clone(), k.clone()
+        dup.qk_(q2, k2, pos)
+        assert torch.equal(q2, want_qk[0]) and torch.equal(k2, want_qk[1])

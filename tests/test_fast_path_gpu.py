@@ -172,18 +172,22 @@ def test_fast_path_still_refuses_overlap_and_keeps_aliases_apart(rng):
 
 
 def test_aliased_arrays_always_take_the_general_path(rng, monkeypatch):
+    """Arrays sharing a pointer never reach a launcher made for distinct
+    ones, even one of the very same signature."""
     torch = pytest.importorskip("torch")
-    cos, _ = (to_device(t, "torch") for t in angles())
+    cos, sin = (to_device(t, "torch") for t in angles())
     x = torch.randn(2, 16, 3, D, device="cuda")
     for _ in range(2):
+        cupy_rope.apply_rope(x, cos, sin)  # the launcher of distinct tables
         y = cupy_rope.apply_rope(x, cos, cos)
     with monkeypatch.context() as m:
         no_general_path(m)
+        cupy_rope.apply_rope(x, cos, sin)  # on the fast path
         with pytest.raises(AssertionError, match="general path"):
             cupy_rope.apply_rope(x, cos, cos)
         with pytest.raises(AssertionError, match="general path"):
             x2 = x.clone()
-            cupy_rope.apply_rope(x2, cos, cos.clone(), out=x2)
+            cupy_rope.apply_rope(x2, cos, sin, out=x2)
     assert torch.equal(y, cupy_rope.apply_rope(x, cos, cos.clone()))
 
 
@@ -344,4 +348,52 @@ def test_bound_methods_take_the_fast_path_with_their_own_tables(rng, monkeypatch
         assert len(g) == len(w) == 7
         assert all(np.array_equal(a, b) for a, b in zip(g, w))
     assert not np.array_equal(got[0][0], got[1][0])  # each object its own tables
+
+
+def test_bound_fast_path_checks_offsets_overlap_and_each_objects_tables(rng, monkeypatch):
+    """A bound method's cached launcher (rope.qk in place: tables written in
+    as constants) checks the offset range and the overlap per call, and an
+    object made after another one was dropped uses its own tables."""
+    torch = pytest.importorskip("torch")
+    import gc
+
+    cos, sin = angles()
+    x0 = torch.randn(2, 16, 3, D, device="cuda")
+    k0 = torch.randn(2, 16, 1, D, device="cuda")
+
+    def want_of(c, s_, offset):
+        return cupy_rope.apply_rope_qk(x0, k0, to_device(c, "torch"), to_device(s_, "torch"),
+                                       offsets=offset)
+
+    rope = cupy_rope.RotaryEmbedding(to_device(cos, "torch"), to_device(sin, "torch"))
+    for offset in (None, 3):
+        q, k = x0.clone(), k0.clone()
+        rope.qk(q, k, offsets=offset, inplace=True)  # planned
+    offsets = (None, 3, ROWS - 16)
+    wants = [want_of(cos, sin, offset) for offset in offsets]
+    with monkeypatch.context() as m:
+        no_general_path(m)
+        for offset, want in zip(offsets, wants):
+            q, k = x0.clone(), k0.clone()
+            assert rope.qk(q, k, offsets=offset, inplace=True)[0] is q
+            assert torch.equal(q, want[0]) and torch.equal(k, want[1])
+    q, k = x0.clone(), k0.clone()
+    with pytest.raises(ValueError, match="positions reach 48"):
+        rope.qk(q, k, offsets=ROWS - 15, inplace=True)
+    assert torch.equal(q, x0) and torch.equal(k, k0)
+    buf = torch.randn(2, 16, 4, D, device="cuda")
+    for _ in range(2):  # q and k heads of one buffer, apart: planned, then cached
+        rope.qk(buf[:, :, :3], buf[:, :, 3:], inplace=True)
+    before = buf.clone()
+    with pytest.raises(ValueError, match="overlap"):  # the same signatures, k inside q
+        rope.qk(buf[:, :, :3], buf[:, :, 2:3], inplace=True)
+    assert torch.equal(buf, before)
+    del rope
+    gc.collect()
+    other = cupy_rope.RotaryEmbedding(to_device(sin, "torch"), to_device(cos, "torch"))
+    for _ in range(2):
+        q, k = x0.clone(), k0.clone()
+        other.qk(q, k, inplace=True)
+        want = want_of(sin, cos, None)
+        assert torch.equal(q, want[0]) and torch.equal(k, want[1])
 

@@ -211,3 +211,68 @@ def test_inputs_unchanged_after_errors():
             cupy_rope.apply_rope(x, cos, sin, inplace=True, **kw)
     for a, b in zip((x, cos, sin), saved):
         np.testing.assert_array_equal(a, b)
+
+
+def test_heads_of_one_buffer_are_disjoint_at_the_token_period():
+    """q and k as head ranges of one [b, s, h, d] buffer interleave at the
+    period of a token's heads (not of a batch entry's tokens): apart, and
+    in place together; a k inside q's heads overlaps."""
+    from cupy_rope import interop, validate
+
+    buf = np.zeros((2, 16, 4, 64), np.float32)
+    q, k, inside = (interop.describe(v, "v") for v in (buf[:, :, :3], buf[:, :, 3:],
+                                                           buf[:, :, 2:3]))
+    assert validate.disjoint(q, k) and validate.disjoint(k, q)
+    assert not validate.disjoint(q, inside) and not validate.disjoint(inside, q)
+    x = np.random.default_rng(0).standard_normal((2, 16, 4, 64)).astype(np.float32)
+    cos = np.cos(np.arange(16)[:, None] * np.linspace(0.01, 1, 32)).astype(np.float32)
+    sin = np.sin(np.arange(16)[:, None] * np.linspace(0.01, 1, 32)).astype(np.float32)
+    want = cupy_rope.apply_rope_qk(x[:, :, :3].copy(), x[:, :, 3:].copy(), cos, sin)
+    cupy_rope.apply_rope_qk(x[:, :, :3], x[:, :, 3:], cos, sin, inplace=True)
+    assert np.array_equal(x[:, :, :3], want[0]) and np.array_equal(x[:, :, 3:], want[1])
+    with pytest.raises(ValueError, match="overlaps"):
+        cupy_rope.apply_rope_qk(x[:, :, :3], x[:, :, 2:3], cos, sin, inplace=True)
+
+
+def test_disjoint_never_calls_sharing_views_apart():
+    """validate.disjoint is sufficient: over random strided byte views of one
+    buffer (several lattice levels), every pair it calls disjoint shares no
+    byte."""
+    from cupy_rope import interop, validate
+
+    rng = np.random.default_rng(7)
+    base = np.zeros(4096, np.int8)
+    by_lattice = 0
+    for _ in range(4000):
+        views = []
+        for j in range(2):
+            nd = int(rng.integers(2, 5))
+            shape = tuple(int(v) for v in rng.integers(1, 5, nd))
+            unit = int(rng.choice([1, 2, 4, 8]))
+            strides = sorted((int(v) * unit for v in rng.integers(1, 12, nd)), reverse=True)
+            # nested blocks (each stride a multiple of the next) make lattice levels
+            if rng.random() < 0.5:
+                strides = [unit * int(np.prod([2 + i for i in range(nd - 1 - m)]))
+                           for m in range(nd)]
+            off = int(rng.integers(0, 64))
+            if j and rng.random() < 0.7:  # a neighbour of the first: same strides, close by
+                strides, nd = list(views[0].strides), views[0].ndim
+                shape = tuple(int(rng.integers(1, n + 1)) for n in views[0].shape)
+                off = first_off + int(rng.integers(0, 2 * strides[-1] * views[0].shape[-1] + 1))
+            first_off = off if not j else first_off
+            if off + sum((n - 1) * s for n, s in zip(shape, strides)) >= base.size:
+                break
+            views.append(np.lib.stride_tricks.as_strided(base[off:], shape, strides))
+        if len(views) < 2:
+            continue
+        a, b = (interop.describe(v, "v") for v in views)
+        if not validate.disjoint(a, b):
+            continue
+        sa, sb = validate.rel_span(a), validate.rel_span(b)
+        by_lattice += a.ptr + sa[0] < b.ptr + sb[1] and b.ptr + sb[0] < a.ptr + sa[1]
+        bytes_a = {a.ptr + sum(i * s for i, s in zip(ix, views[0].strides))
+                   for ix in np.ndindex(views[0].shape)}
+        bytes_b = {b.ptr + sum(i * s for i, s in zip(ix, views[1].strides))
+                   for ix in np.ndindex(views[1].shape)}
+        assert not bytes_a & bytes_b
+    assert by_lattice > 20  # the lattice test, not only the spans, was exercised
