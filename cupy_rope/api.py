@@ -98,14 +98,14 @@ def _sig_of(a):
 
 # ------------------------------------------------------ functional fast path --
 # A call (apply_rope*, or a RotaryEmbedding method; qk_ keeps launchers of
-# its own and comes here only when those cannot serve) with no offsets
-# array is first looked up by its op, options, the
-# classes of its options and arrays (None included) and the bound object's
-# tables if any: a _FastCall holds, for that pattern, a generated signer
-# (straight-line reads of each array's dtype, shape, strides, device and
-# pointer; a bound object's table pointers are constants) and a launcher
-# per signature seen, made from the general path's cached plan. Anything
-# else, and every first call, takes the general path below.
+# its own and comes here only when those cannot serve) with no offsets array
+# is first looked up by its op, options, the classes of its options and
+# arrays (None included) and the bound object's tables if any: a _FastCall
+# holds, for that pattern, a generated signer (straight-line reads of each
+# array's dtype, shape, strides, device and pointer; a bound object's table
+# pointers are constants) and a launcher per signature seen, made from the
+# general path's cached plan. Anything else, and every first call, takes
+# the general path below.
 _fast_calls: dict = {}
 #: Launchers (and patterns) kept before the fast path starts afresh (as _plans).
 _MAX_FAST_LAUNCHERS = 4096
