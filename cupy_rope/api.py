@@ -751,6 +751,8 @@ class RotaryEmbedding:
     decode step from Python. The tables are held (not copied); their
     contents may change between calls, but they must not be resized or
     re-pointed in place (``resize_``, ``set_``): make a new object instead.
+    Copies (``copy.copy``, ``copy.deepcopy``, pickling) are made again
+    through the constructor, with their own tables' pointers.
     """
 
     __slots__ = ("_tables", "_bound", "_fixed", "_fast", "_qk_options")
