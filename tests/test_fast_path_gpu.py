@@ -1,7 +1,8 @@
-"""The functional calls' cached path (api._fast_calls): a repeated signature
-launches without the general path, gives the general path's bits, and still
-re-checks what may change per call (offset range, overlap, aliasing, the
-calling thread, the device of the arrays)."""
+"""The cached path of functional calls and RotaryEmbedding methods
+(api._fast_calls): a repeated signature launches without the general path,
+gives the general path's bits, and still re-checks what may change per call
+(offset range, overlap, aliasing, the calling thread, host arrays of the
+same class, each object's own tables)."""
 
 from __future__ import annotations
 
