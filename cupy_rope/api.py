@@ -154,43 +154,14 @@ def _fast_call(op, classes, n_head, bound):
     """A _FastCall for arrays of these classes (None where absent), or False
     when some class has no straight-line signer (host arrays, JAX, ...).
     With ``bound`` (a RotaryEmbedding's signed tables, which follow the
-    ``n_head`` head arrays) the tables' pointers are constants, not read."""
-    body, sig, given = [], [], []
-    ptr_text = {}
-    if bound is not None:
-        ptr_text = {n_head + j: str(int(p)) for j, p in enumerate(bound[1]) if p}
-    for i, cls in enumerate(classes):
-        if cls is type(None):
-            continue
-        if i in ptr_text:
-            given.append(i)
-            continue
-        ptr_text[i] = f"p{i}"
-        kind = interop.sign_kind(cls)
-        a, d, p = f"a{i}", f"d{i}", f"p{i}"
-        body.append(f"    {a} = arrays[{i}]")
-        if kind == "torch":
-            body += [f"    {d} = get_device({a})", f"    if {d} < 0:", "        return None",
-                     f"    {p} = data_ptr({a})"]
-            sig.append(f"dtype({a}), shape({a}), stride({a}), {d}, {p} & 15")
-        elif kind == "cupy":
-            body += [f"    m{i} = {a}.data", f"    {p} = m{i}.ptr"]
-            sig.append(f"{a}.dtype, {a}.shape, {a}.strides, m{i}.device_id, {p} & 15")
-        else:
-            return False
-        given.append(i)
-    if not sig:
+    ``n_head`` head arrays) the tables' pointers are constants, not read.
+    Arrays sharing a pointer (out=x, q is k) keep to the general path."""
+    consts = {} if bound is None else {n_head + j: p for j, p in enumerate(bound[1]) if p}
+    sign = interop.signature_reader(classes, consts, distinct=True)
+    if sign is None:
         return False
-    ptrs = [ptr_text.get(i, "0") for i in range(len(classes))]
-    if len(given) > 1:
-        # Arrays sharing a pointer (out=x, q is k) keep to the general path.
-        body += [f"    if len({{{', '.join(ptr_text[i] for i in given)}}}) != {len(given)}:",
-                 "        return None"]
-    src = "def sign(arrays):\n" + "\n".join(body) + (
-        f"\n    return ({', '.join(sig)}), ({', '.join(ptrs)},)\n")
-    env = interop.torch_readers()
-    exec(src, env)  # noqa: S102 - indices, integers and fixed names only
-    return _FastCall(op, env["sign"], tuple(given), len(classes), bound)
+    given = tuple(i for i, cls in enumerate(classes) if cls is not type(None) or i in consts)
+    return _FastCall(op, sign, given, len(classes), bound)
 
 
 def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None):
@@ -821,7 +792,7 @@ class RotaryEmbedding:
                 go = fast.get(got[0])
                 # A plan of this object's with nothing to allocate: only the
                 # overlap test is left per call (go returns False on overlap).
-                if go is not None and go(got[1], got[2], got[3]):
+                if go is not None and go(*got[1]):
                     return q, k
                 if go is None and len(fast) < 256:
                     remember = functools.partial(self._remember, fast, got[0], self._bound[1])

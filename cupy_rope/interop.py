@@ -286,30 +286,48 @@ def torch_readers() -> dict:
                 shape=tb.shape.__get__, stride=tb.stride)
 
 
-def _torch_key3_maker():
-    """key3 for torch tensors (straight-line reads, see torch_readers)."""
-    r = torch_readers()
-    data_ptr, stride, get_device = r["data_ptr"], r["stride"], r["get_device"]
-    shape, dtype = r["shape"], r["dtype"]
-
-    def key3(a, b, c):
-        """(signature of three torch tensors, their three pointers), or None off the GPU."""
-        da, db, dc = get_device(a), get_device(b), get_device(c)
-        if da < 0 or db < 0 or dc < 0:
+def signature_reader(classes, consts=None, distinct=False, head="arrays"):
+    """A generated function reading, in straight-line code, what the signers
+    read (dtype, shape, strides, device, pointer alignment) of arrays of
+    these classes (None: absent), or None when some class has none
+    (sign_kind). ``head="arrays"``: ``f(arrays)`` takes them as one tuple;
+    ``head="args"``: ``f(a0, a1, ...)``. ``f`` returns (signature tuple,
+    pointer tuple over every position, 0 where absent), or None when an
+    array is off the GPU or (``distinct``) two given pointers are equal.
+    ``consts`` maps positions to fixed pointers, written in as constants
+    and not read (a RotaryEmbedding's signed tables).
+    """
+    consts = consts or {}
+    ptr = {i: str(int(p)) for i, p in consts.items()}
+    body, sig = [], []
+    for i, cls in enumerate(classes):
+        if cls is type(None) or i in ptr:
+            continue
+        a, d, p = f"a{i}", f"d{i}", f"p{i}"
+        ptr[i] = p
+        kind = sign_kind(cls)
+        if head == "arrays":
+            body.append(f"{a} = arrays[{i}]")
+        if kind == "torch":
+            body += [f"{d} = get_device({a})", f"if {d} < 0:", "    return None",
+                     f"{p} = data_ptr({a})"]
+            sig.append(f"dtype({a}), shape({a}), stride({a}), {d}, {p} & 15")
+        elif kind == "cupy":
+            body += [f"m{i} = {a}.data", f"{p} = m{i}.ptr"]
+            sig.append(f"{a}.dtype, {a}.shape, {a}.strides, m{i}.device_id, {p} & 15")
+        else:
             return None
-        pa, pb, pc = data_ptr(a), data_ptr(b), data_ptr(c)
-        return ((dtype(a), shape(a), stride(a), da, pa & 15, dtype(b), shape(b), stride(b), db,
-                 pb & 15, dtype(c), shape(c), stride(c), dc, pc & 15), pa, pb, pc)
-    return key3
-
-
-def _cupy_key3(a, b, c):
-    """(signature of three CuPy arrays, their three pointers)."""
-    ma, mb, mc = a.data, b.data, c.data
-    pa, pb, pc = ma.ptr, mb.ptr, mc.ptr
-    return ((a.dtype, a.shape, a.strides, ma.device_id, pa & 15, b.dtype, b.shape, b.strides,
-             mb.device_id, pb & 15, c.dtype, c.shape, c.strides, mc.device_id, pc & 15),
-            pa, pb, pc)
+    if not sig:
+        return None
+    given = [ptr[i] for i in range(len(classes)) if i in ptr]
+    if distinct and len(given) > 1:
+        body += [f"if len({{{', '.join(given)}}}) != {len(given)}:", "    return None"]
+    params = "arrays" if head == "arrays" else ", ".join(f"a{i}" for i in range(len(classes)))
+    src = (f"def read({params}):\n" + "".join(f"    {line}\n" for line in body)
+           + f"    return ({', '.join(sig)}), ({', '.join(ptr.get(i, '0') for i in range(len(classes)))},)\n")
+    env = torch_readers()
+    exec(src, env)  # noqa: S102 - indices, integers and fixed names only
+    return env["read"]
 
 
 def _no_key3(a, b, c):
@@ -320,17 +338,12 @@ KEY3: dict = {}
 
 
 def key3(cls):
-    """For three arrays of class ``cls``: a function giving (signature, three
-    pointers), or None where the arrays are not on a CUDA device. The
+    """For three arrays of class ``cls``: a function giving (signature, their
+    three pointers), or None where the arrays are not on a CUDA device. The
     decode fast path (RotaryEmbedding.qk_) keys its plans on it."""
     f = KEY3.get(cls)
     if f is None:
-        sign = signer(cls)
-        if sign is _torch_sign:
-            f = _torch_key3_maker()
-        else:
-            f = _cupy_key3 if sign is _cupy_sign else _no_key3
-        KEY3[cls] = f
+        f = KEY3[cls] = signature_reader((cls, cls, cls), head="args") or _no_key3
     return f
 
 

@@ -205,7 +205,7 @@ for fw, rp, args in (("torch", rope, (q, k, pos)), ("cupy", rope_c, (qc, kc, pc)
     show(f"[{fw}] key3", per_call(lambda: key3(*args)))
     show(f"[{fw}] fast.get(key)", per_call(lambda: rp._fast.get(got[0])))
     show(f"[{fw}] go(...) (apart, stream, lock, pack, launch)",
-         per_call(lambda: go(got[1], got[2], got[3])))
+         per_call(lambda: go(*got[1])))
     show(f"[{fw}] stream getter", per_call(lambda: go.__globals__["stream_of"](0)))
     real = driver.launchKernel
     driver.launchKernel = lambda *a: None
@@ -214,7 +214,7 @@ for fw, rp, args in (("torch", rope, (q, k, pos)), ("cupy", rope_c, (qc, kc, pc)
     finally:
         driver.launchKernel = real
     show(f"[{fw}] go without the driver call (no overlap test)",
-         per_call(lambda: go_stub(got[1], got[2], got[3])))
+         per_call(lambda: go_stub(*got[1])))
     # The whole call with only the driver call replaced: Python's share.
     driver.launchKernel = lambda *a: None
     try:
