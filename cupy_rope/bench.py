@@ -61,6 +61,14 @@ CHECK_TOLERANCE = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 1e-4}
 HOST_CALLS = 2000
 #: Timed passes of HOST_CALLS calls each; the median pass is reported (and the range).
 HOST_REPEATS = 5
+#: Rounds of the decode step's host timings: each round times one pass of
+#: every variant in turn (apply_rope_qk, RotaryEmbedding.qk_ and the bare
+#: launch, torch and CuPy, and torch's x.add_(1)), so that a slow phase of
+#: the host (on the pool's machines one lasts from a few passes to seconds:
+#: run 2026-11-24o's torch qk_ passes went 7.0, 10.3, 10.7, 10.6, 10.4 us
+#: while the CuPy ones timed next held 6.8-7.0) falls on all of them alike
+#: instead of on whichever was timed then.
+HOST_ROUNDS = 9
 #: Each host timing first calls for at least this long (seconds), so that
 #: the passes see the host's steady state: right after the GPU workloads the
 #: bare launch's passes fell from 8.4 to 4.3 us over the first 0.1 s while
@@ -852,13 +860,43 @@ def _time_host(out, name, fn, calls, label=None, repeats=None):
          f"{repeats} passes of {calls}; {min(runs):.2f}-{max(runs):.2f})")
 
 
-def _time_bare_launch(out, fw, rope, calls):
+def _time_host_rounds(out, entries, calls, rounds=None):
+    """Time host-bound callables in interleaved rounds: ``entries`` are
+    (name, fn, label); after a warm-up of each (as in _time_host), every
+    round runs one pass of ``calls`` calls of each entry in turn, with one
+    synchronization per pass. out[name + "_us_per_call"] is the median over
+    the rounds, out[name + "_us_per_call_runs"] every round's pass."""
+    rounds = rounds or HOST_ROUNDS
+    for _name, fn, _label in entries:
+        t0, n = time.perf_counter(), 0
+        while n < max(50, calls // 10) or time.perf_counter() - t0 < HOST_WARMUP_S / len(entries):
+            for _ in range(50):
+                fn()
+            n += 50
+            _sync()
+    runs = {name: [] for name, _fn, _label in entries}
+    for _ in range(rounds):
+        for name, fn, _label in entries:
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync()
+            runs[name].append((time.perf_counter() - t0) / calls * 1e6)
+    for name, _fn, label in entries:
+        r = runs[name]
+        out[f"{name}_us_per_call"] = statistics.median(r)
+        out[f"{name}_us_per_call_runs"] = r
+        _log(f"host: {label or name} {statistics.median(r):.2f} us per call (median of "
+             f"{rounds} interleaved rounds of {calls}; {min(r):.2f}-{max(r):.2f})")
+
+
+def _bare_launch(rope):
     """The kernel of ``rope``'s cached qk_ plan, launched with its packed
     parameters straight through CuPy's driver.launchKernel on the same
     stream, with a grid of one block (the GPU runs such launches faster than
-    the host issues them, so this times the host): the part of a call that
-    is the driver's (out[fw + "_launch_us_per_call"]); the rest of the bound
-    call is Python (out[fw + "_python_us_per_call"])."""
+    the host issues them, so this times the host): the driver's part of a
+    bound call. None when rope has no cached launcher."""
     from cupy.cuda import driver
 
     from . import launch
@@ -866,23 +904,21 @@ def _time_bare_launch(out, fw, rope, calls):
     go = next(iter(rope._fast.values()), None) if rope._fast else None
     plan = getattr(go, "plan", None)
     if not isinstance(plan, launch.Plan) or plan.empty:
-        return
+        return None
     args = plan.own_buffer()[1]
     stream = plan.stream(plan.device_id)
-    _time_host(out, f"{fw}_launch", lambda: driver.launchKernel(
-        plan.kernel, 1, 1, 1, *plan.dims[3:], 0, stream, args, 0), calls,
-        "the same kernel launched bare (one block)")
-    out[f"{fw}_python_us_per_call"] = (out[f"{fw}_bound_us_per_call"]
-                                       - out[f"{fw}_launch_us_per_call"])
+    return lambda: driver.launchKernel(plan.kernel, 1, 1, 1, *plan.dims[3:], 0, stream, args, 0)
 
 
 def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=20,
-                  peer_objs=()) -> dict:
+                  peer_objs=(), rounds=HOST_ROUNDS) -> dict:
     """Microseconds per call of a cached decode step (q32/k8 d128, 64 tokens,
     bf16, ``apply_rope_qk`` in place at positions [64] into an fp32 cos|sin
     cache): ``calls`` calls timed on the host, one synchronization at the end,
-    ``HOST_REPEATS`` such passes after a warm-up, the median pass reported
-    (``*_runs`` holds every pass), with torch tensors and with CuPy arrays;
+    in ``HOST_ROUNDS`` interleaved rounds after a warm-up (each round times
+    one pass of every variant: apply_rope_qk, RotaryEmbedding.qk_ and the
+    bare launch, with torch tensors and with CuPy arrays, and torch's
+    x.add_(1)), the median pass reported (``*_runs`` holds every round's);
     and the per-call GPU time of
     ``graph_calls`` calls captured in a torch CUDA graph and replayed. For
     context, ``peer_objs`` get the same host-timed loop (their own calls on
@@ -891,8 +927,9 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
 
     env = env or _Env()
     w = select_workloads(["decode-qk-t64"])[0]
-    out = {"workload": w.title, "calls": calls, "repeats": HOST_REPEATS,
+    out = {"workload": w.title, "calls": calls, "rounds": rounds,
            "graph_calls": graph_calls}
+    entries, split = [], []
     for fw in ("torch", "cupy"):
         out[f"{fw}_us_per_call"] = None
         if fw == "torch" and env.torch is None:
@@ -904,14 +941,21 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
             kw = _decode_kwargs(form, ctx)
             q, k = _decode_views(form, env.randn(w.shape, w.dtype, fw),
                                  env.randn(w.k_shape, w.dtype, fw))
-            _time_host(out, f"{fw}", lambda: cr.apply_rope_qk(q, k, **kw), calls)
+            cr.apply_rope_qk(q, k, **kw)
+            entries.append((fw, lambda q=q, k=k, kw=kw: cr.apply_rope_qk(q, k, **kw), fw))
             if form == "thd-cache" and hasattr(cr, "RotaryEmbedding"):
                 # The bound form: tables and options given once, q, k, positions per call.
                 rope = cr.RotaryEmbedding(cos_sin_cache=ctx.cache, layout="thd")
                 pos = kw["positions"]
-                _time_host(out, f"{fw}_bound", lambda: rope.qk_(q, k, pos), calls,
-                           "RotaryEmbedding.qk_")
-                _time_bare_launch(out, fw, rope, calls)
+                rope.qk_(q, k, pos)
+                rope.qk_(q, k, pos)  # the second call finds the cached launcher
+                entries.append((f"{fw}_bound", lambda rope=rope, q=q, k=k, pos=pos:
+                                rope.qk_(q, k, pos), "RotaryEmbedding.qk_"))
+                bare = _bare_launch(rope)
+                if bare is not None:
+                    entries.append((f"{fw}_launch", bare,
+                                    "the same kernel launched bare (one block)"))
+                    split.append(fw)
         except Exception as exc:  # noqa: BLE001
             out[f"{fw}_error"] = f"{exc.__class__.__name__}: {exc}"
             _log(f"host: {fw} failed: {out[f'{fw}_error']}")
@@ -919,7 +963,20 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
         # The host's own speed, for reading the numbers above across machines:
         # torch's cheapest call that launches a kernel.
         small = env.torch.zeros(16, device="cuda")
-        _time_host(out, "torch_add", lambda: small.add_(1), calls, "torch x.add_(1), 16 floats")
+        entries.append(("torch_add", lambda: small.add_(1), "torch x.add_(1), 16 floats"))
+    try:
+        _time_host_rounds(out, entries, calls, rounds)
+    except Exception as exc:  # noqa: BLE001
+        for fw in ("torch", "cupy"):
+            if out.get(f"{fw}_us_per_call") is None and f"{fw}_error" not in out:
+                out[f"{fw}_error"] = f"{exc.__class__.__name__}: {exc}"
+        _log(f"host: timing failed: {exc.__class__.__name__}: {exc}")
+    for fw in split:
+        # Python's part of a bound call: the round's qk_ pass less the same
+        # round's bare launch, median over the rounds.
+        b, l = out.get(f"{fw}_bound_us_per_call_runs"), out.get(f"{fw}_launch_us_per_call_runs")
+        if b and l:
+            out[f"{fw}_python_us_per_call"] = statistics.median(x - y for x, y in zip(b, l))
     out["peers_us_per_call"] = {}
     for p in peer_objs:
         try:
@@ -1185,6 +1242,12 @@ def format_acceptance(items) -> str:
     return "\n".join(lines)
 
 
+def _passes(host) -> str:
+    if host.get("rounds"):
+        return f"{host['rounds']} interleaved rounds of passes"
+    return f"{host.get('repeats', 1)} passes"
+
+
 def format_host(host) -> str:
     if not host:
         return ""
@@ -1202,7 +1265,7 @@ def format_host(host) -> str:
     gs = (f"{g:.2f} us per call (wall {host.get('graph_wall_us_per_call', 0):.2f})"
           if g is not None else f"failed ({host.get('graph_error', '?')})")
     text = (f"host cost, {host['workload']} (call form: {host.get('form', '?')}):\n"
-            f"  end to end per call, median of {host.get('repeats', 1)} passes of "
+            f"  end to end per call, median of {_passes(host)} of "
             f"{host['calls']} calls: " + ", ".join(parts) + "\n"
             f"  CUDA graph of {host['graph_calls']} calls, replayed: {gs}")
     if host.get("torch_add_us_per_call") is not None:

@@ -505,3 +505,22 @@ def test_smoke_tiny_workload_on_gpu(tmp_path):
     assert bench.format_table(res).count("tiny-sbhd") >= 3
     bench.write_json(res, tmp_path / "r.json")
     assert {it["item"] for it in res["acceptance"]} == {"1a", "1b", "2", "3", "4", "5", "6"}
+
+
+@pytest.mark.gpu
+def test_host_overhead_rounds_on_gpu(monkeypatch):
+    """The decode step's host timings: every variant timed in each round, the
+    median and the runs recorded, Python's part split off the bare launch."""
+    monkeypatch.setattr(bench, "HOST_WARMUP_S", 0.01)
+    host = bench.host_overhead(calls=20, graph_calls=4, replays=2, rounds=3)
+    fws = ["cupy"] + (["torch"] if host.get("torch_error") != bench.NO_TORCH else [])
+    for fw in fws:
+        for name in (fw, f"{fw}_bound", f"{fw}_launch"):
+            runs = host[f"{name}_us_per_call_runs"]
+            assert len(runs) == 3 and min(runs) > 0, (name, runs)
+            assert host[f"{name}_us_per_call"] == sorted(runs)[1]
+        diffs = sorted(b - c for b, c in zip(host[f"{fw}_bound_us_per_call_runs"],
+                                             host[f"{fw}_launch_us_per_call_runs"]))
+        assert host[f"{fw}_python_us_per_call"] == diffs[1]
+    assert host["rounds"] == 3
+    assert "3 interleaved rounds of passes of 20 calls" in bench.format_host(host)
