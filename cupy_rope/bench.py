@@ -860,30 +860,48 @@ def _time_host(out, name, fn, calls, label=None, repeats=None):
          f"{repeats} passes of {calls}; {min(runs):.2f}-{max(runs):.2f})")
 
 
-def _time_host_rounds(out, entries, calls, rounds=None):
+def _time_host_rounds(out, entries, calls, rounds=HOST_ROUNDS):
     """Time host-bound callables in interleaved rounds: ``entries`` are
-    (name, fn, label); after a warm-up of each (as in _time_host), every
-    round runs one pass of ``calls`` calls of each entry in turn, with one
-    synchronization per pass. out[name + "_us_per_call"] is the median over
-    the rounds, out[name + "_us_per_call_runs"] every round's pass."""
-    rounds = rounds or HOST_ROUNDS
-    for _name, fn, _label in entries:
+    (name, fn, label). Each entry first runs for at least ``calls / 10``
+    calls and ``HOST_WARMUP_S / len(entries)`` seconds (the whole warm-up
+    lasts HOST_WARMUP_S, as one _time_host's); then every round runs one
+    pass of ``calls`` calls of each entry in turn, with one synchronization
+    per pass. out[name + "_us_per_call"] is the median over the rounds,
+    out[name + "_us_per_call_runs"] every round's pass. An entry that raises
+    is dropped from the later rounds and leaves out[name + "_error"] (and
+    no times); the others are timed on."""
+    failed = {}
+
+    def attempt(name, fn, n):
+        try:
+            for _ in range(n):
+                fn()
+            _sync()
+            return True
+        except Exception as exc:  # noqa: BLE001
+            failed[name] = f"{exc.__class__.__name__}: {exc}"
+            _log(f"host: {name} failed: {failed[name]}")
+            return False
+
+    for name, fn, _label in entries:
         t0, n = time.perf_counter(), 0
         while n < max(50, calls // 10) or time.perf_counter() - t0 < HOST_WARMUP_S / len(entries):
-            for _ in range(50):
-                fn()
+            if not attempt(name, fn, 50):
+                break
             n += 50
-            _sync()
     runs = {name: [] for name, _fn, _label in entries}
     for _ in range(rounds):
         for name, fn, _label in entries:
+            if name in failed:
+                continue
             _sync()
             t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            _sync()
-            runs[name].append((time.perf_counter() - t0) / calls * 1e6)
+            if attempt(name, fn, calls):
+                runs[name].append((time.perf_counter() - t0) / calls * 1e6)
     for name, _fn, label in entries:
+        if name in failed:
+            out[f"{name}_error"] = failed[name]
+            continue
         r = runs[name]
         out[f"{name}_us_per_call"] = statistics.median(r)
         out[f"{name}_us_per_call_runs"] = r
@@ -927,6 +945,7 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
 
     env = env or _Env()
     w = select_workloads(["decode-qk-t64"])[0]
+    rounds = max(1, int(rounds or HOST_ROUNDS))
     out = {"workload": w.title, "calls": calls, "rounds": rounds,
            "graph_calls": graph_calls}
     entries, split = [], []
@@ -951,7 +970,11 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
                 rope.qk_(q, k, pos)  # the second call finds the cached launcher
                 entries.append((f"{fw}_bound", lambda rope=rope, q=q, k=k, pos=pos:
                                 rope.qk_(q, k, pos), "RotaryEmbedding.qk_"))
-                bare = _bare_launch(rope)
+                try:
+                    bare = _bare_launch(rope)
+                except Exception as exc:  # noqa: BLE001
+                    bare = None
+                    out[f"{fw}_launch_error"] = f"{exc.__class__.__name__}: {exc}"
                 if bare is not None:
                     entries.append((f"{fw}_launch", bare,
                                     "the same kernel launched bare (one block)"))
@@ -964,13 +987,7 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
         # torch's cheapest call that launches a kernel.
         small = env.torch.zeros(16, device="cuda")
         entries.append(("torch_add", lambda: small.add_(1), "torch x.add_(1), 16 floats"))
-    try:
-        _time_host_rounds(out, entries, calls, rounds)
-    except Exception as exc:  # noqa: BLE001
-        for fw in ("torch", "cupy"):
-            if out.get(f"{fw}_us_per_call") is None and f"{fw}_error" not in out:
-                out[f"{fw}_error"] = f"{exc.__class__.__name__}: {exc}"
-        _log(f"host: timing failed: {exc.__class__.__name__}: {exc}")
+    _time_host_rounds(out, entries, calls, rounds)
     for fw in split:
         # Python's part of a bound call: the round's qk_ pass less the same
         # round's bare launch, median over the rounds.
@@ -1256,8 +1273,14 @@ def format_host(host) -> str:
         v = host.get(f"{fw}_us_per_call")
         bound = host.get(f"{fw}_bound_us_per_call")
         py, bare = host.get(f"{fw}_python_us_per_call"), host.get(f"{fw}_launch_us_per_call")
-        split = (f": driver launch {bare:.2f} us + Python {py:.2f} us"
-                 if py is not None else "")
+        if py is None:
+            split = ""
+        elif host.get("rounds"):
+            # (medians of different things: they need not add up to qk_'s)
+            split = (f"; the kernel launched bare {bare:.2f} us; Python {py:.2f} us, "
+                     f"the median over rounds of qk_ less the bare launch")
+        else:
+            split = f": driver launch {bare:.2f} us + Python {py:.2f} us"
         parts.append((f"{fw} {v:.2f} us" + (f" (RotaryEmbedding.qk_ {bound:.2f} us{split})"
                                              if bound is not None else ""))
                      if v is not None else f"{fw} failed ({host.get(f'{fw}_error', '?')})")

@@ -260,6 +260,45 @@ def test_host_report_splits_launch_and_python():
     assert "torch 7.50 us bound, of which Python 4.25 us" in by["5"]["detail"]
 
 
+def test_host_report_names_its_passes():
+    rounds = dict(GOOD_HOST, rounds=9, torch_bound_us_per_call=7.5,
+                  torch_launch_us_per_call=3.25, torch_python_us_per_call=4.0)
+    text = bench.format_host(rounds)
+    assert "median of 9 interleaved rounds of passes of 10 calls" in text
+    assert ("RotaryEmbedding.qk_ 7.50 us; the kernel launched bare 3.25 us; Python 4.00 us, "
+            "the median over rounds of qk_ less the bare launch") in text
+    assert "median of 5 passes of 10 calls" in bench.format_host(dict(GOOD_HOST, repeats=5))
+
+
+def test_host_rounds_interleave_and_survive_a_failure(monkeypatch):
+    """Each round runs one pass of every entry in turn; an entry that raises
+    leaves its error and no times, and the others are timed on."""
+    monkeypatch.setattr(bench, "_sync", lambda: None)
+    monkeypatch.setattr(bench, "HOST_WARMUP_S", 0.0)
+    calls = []
+    state = {"b": 0}
+
+    def entry(name):
+        def fn():
+            calls.append(name)
+        return fn
+
+    def flaky():
+        state["b"] += 1
+        if state["b"] > 60:  # the warm-up's 50 calls pass, the first round fails
+            raise RuntimeError("boom")
+
+    out = {}
+    bench._time_host_rounds(out, [("a", entry("a"), None), ("b", flaky, None),
+                                  ("c", entry("c"), None)], calls=4, rounds=3)
+    order = [n for i, n in enumerate(calls) if i == 0 or calls[i - 1] != n]
+    assert order == ["a", "c"] + ["a", "c"] * 3  # warm-ups, then a and c alternate
+    assert len(out["a_us_per_call_runs"]) == len(out["c_us_per_call_runs"]) == 3
+    assert out["a_us_per_call"] == sorted(out["a_us_per_call_runs"])[1]
+    assert out["b_error"] == "RuntimeError: boom"
+    assert "b_us_per_call" not in out and "b_us_per_call_runs" not in out
+
+
 def test_acceptance_slower_than_peer_and_errors():
     names = ["sbhd-4096x1x128x128", "llama3-8b-prefill-qk"]
     rows = []
@@ -513,14 +552,22 @@ def test_host_overhead_rounds_on_gpu(monkeypatch):
     median and the runs recorded, Python's part split off the bare launch."""
     monkeypatch.setattr(bench, "HOST_WARMUP_S", 0.01)
     host = bench.host_overhead(calls=20, graph_calls=4, replays=2, rounds=3)
-    fws = ["cupy"] + (["torch"] if host.get("torch_error") != bench.NO_TORCH else [])
+    torch_present = host.get("torch_error") != bench.NO_TORCH
+    fws = ["cupy"] + (["torch"] if torch_present else [])
+    assert not [k for k in host if k.endswith("_error") and host[k] != bench.NO_TORCH], host
     for fw in fws:
         for name in (fw, f"{fw}_bound", f"{fw}_launch"):
             runs = host[f"{name}_us_per_call_runs"]
             assert len(runs) == 3 and min(runs) > 0, (name, runs)
             assert host[f"{name}_us_per_call"] == sorted(runs)[1]
+        # the bound call does what the bare launch does and more
+        assert host[f"{fw}_launch_us_per_call"] < host[f"{fw}_bound_us_per_call"]
+        assert 0 < host[f"{fw}_python_us_per_call"] < host[f"{fw}_bound_us_per_call"]
         diffs = sorted(b - c for b, c in zip(host[f"{fw}_bound_us_per_call_runs"],
                                              host[f"{fw}_launch_us_per_call_runs"]))
         assert host[f"{fw}_python_us_per_call"] == diffs[1]
+    if torch_present:
+        assert len(host["torch_add_us_per_call_runs"]) == 3
+        assert host["graph_us_per_call"] > 0
     assert host["rounds"] == 3
     assert "3 interleaved rounds of passes of 20 calls" in bench.format_host(host)
