@@ -59,7 +59,8 @@ ROOFLINE_MIN_BYTES = 64 * MiB
 CHECK_TOLERANCE = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 1e-4}
 #: Sizes of the host-cost microbenchmark.
 HOST_CALLS = 2000
-#: Timed passes of HOST_CALLS calls each; the median pass is reported (and the range).
+#: Timed passes of a peer's host timing (HOST_CALLS / 4 calls each); the
+#: median pass is reported (and the range).
 HOST_REPEATS = 5
 #: Rounds of the decode step's host timings: each round times one pass of
 #: every variant in turn (apply_rope_qk, RotaryEmbedding.qk_ and the bare
@@ -835,41 +836,16 @@ def run(workloads=None, *, peers="all", reps=30, n_sets=3, warmup=5, check=True,
 # Host cost of a cached call.
 
 
-def _time_host(out, name, fn, calls, label=None, repeats=None):
-    """Time ``fn`` on the host: a warm-up (at least ``calls / 10`` calls and
-    HOST_WARMUP_S seconds), then ``repeats`` passes of ``calls`` calls with
-    one synchronization each; out[name + "_us_per_call"] is the median pass,
-    out[name + "_us_per_call_runs"] every pass."""
-    repeats = repeats or HOST_REPEATS
-    t0, n = time.perf_counter(), 0
-    while n < max(50, calls // 10) or time.perf_counter() - t0 < HOST_WARMUP_S:
-        for _ in range(50):
-            fn()
-        n += 50
-        _sync()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    out[f"{name}_us_per_call"] = statistics.median(runs)
-    out[f"{name}_us_per_call_runs"] = runs
-    _log(f"host: {label or name} {statistics.median(runs):.2f} us per call (median of "
-         f"{repeats} passes of {calls}; {min(runs):.2f}-{max(runs):.2f})")
-
-
 def _time_host_rounds(out, entries, calls, rounds=HOST_ROUNDS):
     """Time host-bound callables in interleaved rounds: ``entries`` are
     (name, fn, label). Each entry first runs for at least ``calls / 10``
     calls and ``HOST_WARMUP_S / len(entries)`` seconds (the whole warm-up
-    lasts HOST_WARMUP_S, as one _time_host's); then every round runs one
+    lasts HOST_WARMUP_S); then every round runs one
     pass of ``calls`` calls of each entry in turn, with one synchronization
     per pass. out[name + "_us_per_call"] is the median over the rounds,
     out[name + "_us_per_call_runs"] every round's pass. An entry that raises
     is dropped from the later rounds and leaves out[name + "_error"] (and
-    no times); the others are timed on."""
+    no times); the others are timed on. One entry: plain repeated passes."""
     failed = {}
 
     def attempt(name, fn, n):
@@ -898,6 +874,7 @@ def _time_host_rounds(out, entries, calls, rounds=HOST_ROUNDS):
             t0 = time.perf_counter()
             if attempt(name, fn, calls):
                 runs[name].append((time.perf_counter() - t0) / calls * 1e6)
+    passes = f"{rounds} interleaved rounds" if len(entries) > 1 else f"{rounds} passes"
     for name, _fn, label in entries:
         if name in failed:
             out[f"{name}_error"] = failed[name]
@@ -906,7 +883,7 @@ def _time_host_rounds(out, entries, calls, rounds=HOST_ROUNDS):
         out[f"{name}_us_per_call"] = statistics.median(r)
         out[f"{name}_us_per_call_runs"] = r
         _log(f"host: {label or name} {statistics.median(r):.2f} us per call (median of "
-             f"{rounds} interleaved rounds of {calls}; {min(r):.2f}-{max(r):.2f})")
+             f"{passes} of {calls}; {min(r):.2f}-{max(r):.2f})")
 
 
 def _bare_launch(rope):
@@ -948,7 +925,7 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
     rounds = max(1, int(rounds or HOST_ROUNDS))
     out = {"workload": w.title, "calls": calls, "rounds": rounds,
            "graph_calls": graph_calls}
-    entries, split = [], []
+    entries = []
     for fw in ("torch", "cupy"):
         out[f"{fw}_us_per_call"] = None
         if fw == "torch" and env.torch is None:
@@ -978,7 +955,6 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
                 if bare is not None:
                     entries.append((f"{fw}_launch", bare,
                                     "the same kernel launched bare (one block)"))
-                    split.append(fw)
         except Exception as exc:  # noqa: BLE001
             out[f"{fw}_error"] = f"{exc.__class__.__name__}: {exc}"
             _log(f"host: {fw} failed: {out[f'{fw}_error']}")
@@ -988,7 +964,7 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
         small = env.torch.zeros(16, device="cuda")
         entries.append(("torch_add", lambda: small.add_(1), "torch x.add_(1), 16 floats"))
     _time_host_rounds(out, entries, calls, rounds)
-    for fw in split:
+    for fw in ("torch", "cupy"):
         # Python's part of a bound call: the round's qk_ pass less the same
         # round's bare launch, median over the rounds.
         b, l = out.get(f"{fw}_bound_us_per_call_runs"), out.get(f"{fw}_launch_us_per_call_runs")
@@ -1004,7 +980,10 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
             args = prep.make_args(make_set(w, env))
             fn = prep.call[False]
             timed: dict = {}
-            _time_host(timed, p.name, lambda: fn(*args), max(1, calls // 4))
+            _time_host_rounds(timed, [(p.name, lambda: fn(*args), None)], max(1, calls // 4),
+                              HOST_REPEATS)
+            if f"{p.name}_error" in timed:
+                continue  # logged by _time_host_rounds
             out["peers_us_per_call"][p.name] = timed[f"{p.name}_us_per_call"]
         except Exception as exc:  # noqa: BLE001
             _log(f"host: peer {p.name} failed: {exc.__class__.__name__}: {exc}")

@@ -1,6 +1,6 @@
 """Host cost of the pieces of a cached decode call, against bare launches (GPU machine).
 
-    python scripts/launch_cost.py
+    python scripts/launch_cost.py [--streams | --rounds]
 
 Prints microseconds per call of: the whole call, reading torch tensor
 attributes, CuPy's driver.launchKernel with our Params and with an empty
@@ -78,8 +78,54 @@ def stream_rows():
             show(f"qk_ (torch) on {name}", per_call(lambda: rope.qk_(q, k, pos)))
 
 
+def rounds_rows():
+    """qk_ against its parts in the benchmark's interleaved rounds
+    (bench._time_host_rounds: 9 rounds, each one pass of 2000 calls of
+    every row), torch and CuPy: qk_; the same call with the driver call
+    stubbed (Python alone); the kernel launched bare with one block
+    (bench._bare_launch) and with its full grid; then, per round, what qk_
+    costs beyond its Python plus a bare full-grid launch."""
+    from cupy.cuda import driver
+
+    from cupy_rope import bench
+
+    for fw in ("torch", "cupy"):
+        arrays = (q, k, cache, pos)
+        if fw == "cupy":
+            arrays = tuple(cupy.from_dlpack(t) for t in arrays)
+        aq, ak, acache, apos = arrays
+        rope = cupy_rope.RotaryEmbedding(cos_sin_cache=acache, layout="thd")
+        # rope's launcher is generated first, with the real driver call;
+        # stub's while driver.launchKernel is replaced, so it launches nothing.
+        rope.qk_(aq, ak, apos)
+        rope.qk_(aq, ak, apos)
+        plan = next(iter(rope._fast.values())).plan
+        args, stream = plan.own_buffer()[1], plan.stream(plan.device_id)
+        stub = cupy_rope.RotaryEmbedding(cos_sin_cache=acache, layout="thd")
+        real = driver.launchKernel
+        driver.launchKernel = lambda *a: None
+        try:
+            stub.qk_(aq, ak, apos)
+            stub.qk_(aq, ak, apos)
+        finally:
+            driver.launchKernel = real
+        rows = [("qk_", lambda: rope.qk_(aq, ak, apos)),
+                ("qk_ driver stubbed", lambda: stub.qk_(aq, ak, apos)),
+                ("bare, 1 block", bench._bare_launch(rope)),
+                ("bare, full grid", lambda: driver.launchKernel(plan.kernel, *plan.dims, 0, stream,
+                                                               args, 0))]
+        out = {}
+        bench._time_host_rounds(out, [(n, f, f"{fw} {n}") for n, f in rows], 2000)
+        a, b, _, c = (out[f"{n}_us_per_call_runs"] for n, _ in rows)
+        print(fw, "per round: qk_ - (stubbed + full grid) =",
+              " ".join(f"{x - y - z:+.2f}" for x, y, z in zip(a, b, c)), flush=True)
+
+
 if "--streams" in sys.argv:
     stream_rows()
+    sys.exit(0)
+if "--rounds" in sys.argv:
+    rounds_rows()
     sys.exit(0)
 show("end to end apply_rope_qk (torch, in place)", per_call(call))
 bound = getattr(cupy_rope, "RotaryEmbedding", None)
