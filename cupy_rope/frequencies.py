@@ -8,7 +8,8 @@ factor that multiplies cos and sin (1.0 for the schemes that have none).
 Conventions
 -----------
 * ``rotary_dim`` (r) is ``int(head_dim * partial_rotary_factor)``, as in
-  Hugging Face; it must be even. Only the first r channels of a head rotate.
+  Hugging Face; it must be even. Only the first r channels of a head rotate
+  (``proportional`` is the exception: r is head_dim, see below).
 * ``inv_freq`` has r/2 entries; entry f is the angular frequency of pair f:
   (f, f + r/2) in NeoX / rotate-half style, (2f, 2f + 1) in GPT-J style. The
   pairing is the caller's choice (``interleaved=`` of ``apply_rope``); the
@@ -32,8 +33,9 @@ Schemes (``d`` below is ``rotary_dim``, ``theta`` is ``rope_theta``,
   low ones interpolated. ``low`` and ``high`` are ``c(beta_fast)`` and
   ``c(beta_slow)`` (defaults 32 and 1), ``c(b) = d * ln(O / (2 pi b)) / (2 ln theta)``
   with ``O = original_max_position_embeddings``: the pair that turns b times
-  within O positions; with ``truncate`` (default True) low is floored and high
-  ceiled; then clipped to [0, d - 1] (high + 0.001 where they meet). Attention
+  within O positions; with ``truncate`` (default True; an explicit None or
+  False turns it off, as in Hugging Face) low is floored and high ceiled;
+  then clipped to [0, d - 1] (high + 0.001 where they meet). Attention
   factor ``attention_factor`` if given, else ``m(factor, mscale) / m(factor, mscale_all_dim)``
   where both mscales are given (DeepSeek-V2/V3), else ``m(factor, 1)``, with
   ``m(s, k) = 1`` for s <= 1 and ``0.1 * k * ln(s) + 1`` otherwise. (DeepSeek's
@@ -52,6 +54,12 @@ Schemes (``d`` below is ``rotary_dim``, ``theta`` is ``rope_theta``,
   ``attention_factor`` if given, else ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))``
   (1.0 when factor <= 1), where ``factor`` defaults to
   ``max_position_embeddings / original_max_position_embeddings``.
+* ``proportional`` (Gemma 4's full-attention layers): the head's first
+  ``a = int(head_dim * partial_rotary_factor // 2)`` pairs take
+  ``theta ** (-2f / head_dim) / factor`` (``factor`` default 1), the other
+  ``head_dim / 2 - a`` pairs frequency 0. Unlike the other schemes the result
+  spans the whole head (``rotary_dim = head_dim``): a pair of frequency 0 is
+  rotated by angle 0, which leaves its channels exactly as they are.
 
 The formulas follow Hugging Face transformers' rope initialization functions
 (5.x behaviour where versions differ: an explicit yarn ``factor`` is used as
@@ -87,6 +95,7 @@ ROPE_TYPES = {
     "yarn": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "proportional": (),
 }
 
 #: Legacy names: "su" (early Phi-3 configs) is LongRoPE; "mrope" (Qwen2-VL)
@@ -106,6 +115,14 @@ def _positive_int(v, name: str) -> int:
     if n <= 0:
         raise ValueError(f"{name}: expected a positive int, got {n}")
     return n
+
+
+def _config_int(v, name: str) -> int:
+    """A positive int, or a float holding one (config.json files and some
+    transformers configs store context lengths as floats, e.g. 4096.0)."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    return _positive_int(v, name)
 
 
 def _as_float(v, name: str) -> float:
@@ -188,7 +205,7 @@ def _original_max(params: Mapping, rope_type: str, max_position_embeddings) -> i
                              "'original_max_position_embeddings' (or the max_position_embeddings "
                              "argument to fall back on), got neither")
         return max_position_embeddings
-    return _positive_int(value, "rope_scaling['original_max_position_embeddings']")
+    return _config_int(value, "rope_scaling['original_max_position_embeddings']")
 
 
 def _yarn(params, theta, dim, max_position_embeddings):
@@ -217,9 +234,9 @@ def _yarn(params, theta, dim, max_position_embeddings):
     # a zero or missing beta takes the paper's value, as in Hugging Face
     beta_fast = _positive_float(params.get("beta_fast") or 32, "rope_scaling['beta_fast']")
     beta_slow = _positive_float(params.get("beta_slow") or 1, "rope_scaling['beta_slow']")
+    # Hugging Face reads .get("truncate", True): only a missing key truncates
+    # by default; an explicit None, like False, does not.
     truncate = params.get("truncate", True)
-    if truncate is None:
-        truncate = True
 
     def correction_dim(turns):
         # the dimension (of dim) whose wavelength fits `turns` times in orig positions
@@ -302,6 +319,15 @@ def _longrope(params, theta, dim, max_position_embeddings, seq_len):
     return _base_inv_freq(theta, dim) / ext, float(attention_factor)
 
 
+def _proportional(params, theta, head_dim, prf):
+    factor = params.get("factor")
+    factor = 1.0 if factor is None else _positive_float(factor, "rope_scaling['factor']")
+    rotated = int(prf * head_dim // 2)  # pairs that turn, as transformers counts them
+    inv_freq = np.zeros(head_dim // 2, dtype=np.float64)
+    inv_freq[:rotated] = theta ** -(np.arange(0, 2 * rotated, 2, dtype=np.float64) / head_dim)
+    return (inv_freq / factor).astype(np.float32)
+
+
 def rope_frequencies(head_dim, rope_theta=None, rope_scaling=None, partial_rotary_factor=None,
                      max_position_embeddings=None, seq_len=None) -> Tuple[np.ndarray, float]:
     """``inv_freq`` and the attention factor of a RoPE scaling scheme.
@@ -317,23 +343,33 @@ def rope_frequencies(head_dim, rope_theta=None, rope_scaling=None, partial_rotar
             ``factor``; ``low_freq_factor``, ``high_freq_factor`` (llama3);
             ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``,
             ``truncate``, ``attention_factor`` (yarn); ``short_factor``,
-            ``long_factor``, ``attention_factor`` (longrope);
+            ``long_factor``, ``attention_factor`` (longrope); ``factor``
+            (proportional, optional);
             ``original_max_position_embeddings`` (yarn, llama3, longrope;
             defaults to ``max_position_embeddings``). Other keys are ignored.
         partial_rotary_factor: fraction of the head that rotates, in (0, 1]
             (default 1.0, or ``rope_scaling['partial_rotary_factor']``);
-            ``rotary_dim = int(head_dim * partial_rotary_factor)``.
+            ``rotary_dim = int(head_dim * partial_rotary_factor)`` (for
+            ``proportional``: the number of pairs with a nonzero frequency is
+            ``int(head_dim * partial_rotary_factor // 2)``, and rotary_dim is
+            head_dim).
         max_position_embeddings: the model's context length; needed by
             ``dynamic``, and by ``yarn``/``longrope`` where they derive the
             factor from it.
         seq_len: the current sequence length (largest position + 1). Used by
             ``dynamic`` (rescaled base once seq_len > max_position_embeddings)
             and ``longrope`` (long factors once seq_len >
-            original_max_position_embeddings); ignored by the others.
+            original_max_position_embeddings); ignored by the others. This
+            function is pure: Hugging Face's rotary module for ``dynamic``
+            keeps state instead (once a forward has grown the base it keeps
+            it, and resets to the original only for a sequence shorter than
+            max_position_embeddings), so to reproduce its frequencies pass
+            the largest length seen since that reset.
 
     Returns:
         ``(inv_freq, attention_factor)``: float32 NumPy array [rotary_dim / 2]
-        (entry f for pair f, see the module docstring) and a Python float by
+        (entry f for pair f, see the module docstring; [head_dim / 2] for
+        ``proportional``) and a Python float by
         which cos and sin are multiplied (1.0 for schemes without one).
 
     Raises:
@@ -355,11 +391,13 @@ def rope_frequencies(head_dim, rope_theta=None, rope_scaling=None, partial_rotar
     if not 0.0 < prf <= 1.0:
         raise ValueError(f"partial_rotary_factor: expected a value in (0, 1], got {prf}")
     if max_position_embeddings is not None:
-        max_position_embeddings = _positive_int(max_position_embeddings, "max_position_embeddings")
+        max_position_embeddings = _config_int(max_position_embeddings, "max_position_embeddings")
     if seq_len is not None:
         seq_len = _as_int(seq_len, "seq_len")
         if seq_len < 0:
             raise ValueError(f"seq_len: expected an int >= 0, got {seq_len}")
+    if rope_type == "proportional":
+        return _proportional(params, theta, head_dim, prf), 1.0
     dim = _rotary_dim(head_dim, prf)
 
     attention_factor = 1.0
@@ -395,6 +433,45 @@ def rope_frequencies(head_dim, rope_theta=None, rope_scaling=None, partial_rotar
 
 
 _NESTING_MARKERS = ("rope_type", "type", "rope_theta", "factor", "partial_rotary_factor")
+_HEAD_KEYS = ("head_dim", "qk_rope_head_dim", "hidden_size")
+
+
+def _config_getter(config):
+    """get(key): a config object's attribute or a dict's key, None if absent."""
+    if isinstance(config, Mapping):
+        return config.get
+
+    def get(key):
+        try:
+            return getattr(config, key, None)
+        except Exception:  # properties that raise on some configs
+            return None
+    return get
+
+
+def _layer_override(config, get, layer_type):
+    """The per-layer config (or dict of overrides) of the first layer of
+    ``layer_type``, where the config has ``per_layer_config``; else None."""
+    per_layer = get("per_layer_config")
+    if not per_layer:
+        return None
+    if not isinstance(per_layer, Mapping):
+        try:  # transformers' view: indexed by layer type, as its rope functions do
+            return per_layer[layer_type]
+        except Exception:
+            return None
+    types = get("layer_types") or ()
+    for i, t in enumerate(types):
+        if t != layer_type:
+            continue
+        for key, value in per_layer.items():  # config.json keys: "05" or 5
+            try:
+                if int(key) == i:
+                    return value
+            except (TypeError, ValueError):
+                continue
+        return None
+    return None
 
 
 def from_config(config, seq_len=None, *, layer_type=None) -> Tuple[np.ndarray, float]:
@@ -410,23 +487,30 @@ def from_config(config, seq_len=None, *, layer_type=None) -> Tuple[np.ndarray, f
       ``rotary_emb_base``), else ``default_theta``, else 10000.0;
     * ``partial_rotary_factor``: from that dict, else top-level
       ``partial_rotary_factor`` (or ``rotary_pct``), else 1.0;
-    * ``head_dim``: ``qk_rope_head_dim`` (MLA models), else ``head_dim``, else
-      ``hidden_size // num_attention_heads``;
+    * ``head_dim``: ``qk_rope_head_dim`` (MLA models; where a
+      ``partial_rotary_factor`` already maps ``head_dim`` onto it, as in
+      Mistral 4 and DeepSeek-V4 configs, it is not applied a second time),
+      else ``head_dim``, else ``hidden_size // num_attention_heads``; with
+      ``layer_type``, a per-layer override of ``head_dim`` (Gemma 4's
+      ``per_layer_config``: 512 for its full-attention layers) as in
+      transformers;
     * ``max_position_embeddings``; a top-level ``original_max_position_embeddings``
       (Phi-3) takes priority over the dict's for yarn, llama3 and longrope, as
-      in transformers.
+      in transformers; Phi-3 configs (``model_type`` "phi3") that name
+      ``yarn`` mean LongRoPE, as transformers' Phi3Config reads them.
+
+    A composite (multimodal) config whose top level holds neither rope
+    parameters nor head sizes is read through its ``text_config``. For a
+    per-layer ``yarn`` entry ``truncate`` is read from that entry
+    (transformers reads it from the top-level dict, where a per-layer config
+    has none, and so always truncates).
 
     Returns ``(inv_freq, attention_factor)`` as :func:`rope_frequencies`.
     """
-    if isinstance(config, Mapping):
-        def get(key):
-            return config.get(key)
-    else:
-        def get(key):
-            try:
-                return getattr(config, key, None)
-            except Exception:  # properties that raise on some configs
-                return None
+    get = _config_getter(config)
+    text = get("text_config")
+    if text is not None and not any(get(k) for k in _HEAD_KEYS + ("rope_parameters", "rope_scaling")):
+        return from_config(text, seq_len, layer_type=layer_type)
 
     params: Any = get("rope_parameters")
     if not params:
@@ -463,7 +547,22 @@ def from_config(config, seq_len=None, *, layer_type=None) -> Tuple[np.ndarray, f
     if prf is None:
         prf = 1.0
 
-    head_dim = get("qk_rope_head_dim") or get("head_dim")
+    layer_get = get
+    if layer_type is not None:
+        override = _layer_override(config, get, layer_type)
+        if override is not None:
+            layer_get = _config_getter(override)
+
+    head_dim = layer_get("head_dim") or get("head_dim")
+    mla = layer_get("qk_rope_head_dim") or get("qk_rope_head_dim")
+    if mla:
+        try:
+            maps = prf != 1.0 and bool(head_dim) and int(head_dim * prf) == mla
+        except (TypeError, ValueError, OverflowError):
+            maps = False  # rope_frequencies names the bad value
+        if maps:
+            prf = 1.0  # the factor maps head_dim onto the rope slice already
+        head_dim = mla
     if not head_dim:
         hidden, heads = get("hidden_size"), get("num_attention_heads")
         if not hidden or not heads:
@@ -471,6 +570,10 @@ def from_config(config, seq_len=None, *, layer_type=None) -> Tuple[np.ndarray, f
                              "num_attention_heads")
         head_dim = _positive_int(hidden, "config.hidden_size") // _positive_int(
             heads, "config.num_attention_heads")
+
+    if get("model_type") == "phi3" and params.get("rope_type", params.get("type")) == "yarn":
+        params["rope_type"] = "longrope"  # Phi3Config's reading of legacy configs
+        params.pop("type", None)
 
     if _rope_type(params or None) in ("yarn", "llama3", "longrope"):
         top_orig = get("original_max_position_embeddings")

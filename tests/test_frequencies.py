@@ -288,6 +288,114 @@ def test_from_config_details():
     assert from_config({"hidden_size": 512, "num_attention_heads": 8, "rotary_pct": 0.25})[0].shape == (8,)
 
 
+def _module_buffers(module, rotary_name, config, layer_type):
+    """(inv_freq float64, attention factor) held by transformers' rotary module."""
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    emb = getattr(modeling, rotary_name)(config=config)
+    if layer_type is None:
+        return emb.inv_freq.double().numpy(), float(emb.attention_scaling)
+    return (getattr(emb, f"{layer_type}_inv_freq").double().numpy(),
+            float(getattr(emb, f"{layer_type}_attention_scaling", 1.0)))
+
+
+# Configs read from their own classes' defaults (or the kwargs given), checked
+# against the module the model builds. id -> (module, config class, rotary
+# class, config kwargs, layer types, text config?)
+HF_MODULE_CASES = {
+    # MLA with partial_rotary_factor = qk_rope_head_dim / head_dim: not applied twice
+    "mistral4": ("mistral4", "Mistral4Config", "Mistral4RotaryEmbedding", {}, [None], False),
+    "deepseek-v4": ("deepseek_v4", "DeepseekV4Config", "DeepseekV4RotaryEmbedding", {},
+                    ["main", "compress"], False),
+    # proportional rope (full attention, head_dim 512 per layer) and default (sliding)
+    "gemma4-text": ("gemma4", "Gemma4TextConfig", "Gemma4TextRotaryEmbedding", {},
+                    ["full_attention", "sliding_attention"], False),
+    "gemma4": ("gemma4", "Gemma4Config", "Gemma4TextRotaryEmbedding", {},
+               ["full_attention", "sliding_attention"], True),
+    "qwen2-vl": ("qwen2_vl", "Qwen2VLConfig", "Qwen2VLRotaryEmbedding", {}, [None], True),
+    "qwen2.5-vl": ("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLRotaryEmbedding", {}, [None], True),
+    # an explicit None turns truncation off in transformers (.get("truncate", True))
+    "yarn-truncate-none": (
+        "llama", "LlamaConfig", "LlamaRotaryEmbedding",
+        dict(hidden_size=2880, num_attention_heads=64, head_dim=128, max_position_embeddings=131072,
+             rope_theta=150000.0,
+             rope_scaling={"rope_type": "yarn", "factor": 32.0, "truncate": None,
+                           "original_max_position_embeddings": 4096}), [None], False),
+    # legacy Phi-3 configs naming "yarn" mean LongRoPE
+    "phi3-legacy-yarn": (
+        "phi3", "Phi3Config", "Phi3RotaryEmbedding",
+        dict(hidden_size=3072, num_attention_heads=32, max_position_embeddings=131072,
+             original_max_position_embeddings=4096, rope_theta=10000.0,
+             rope_scaling={"type": "yarn", "short_factor": PHI3_SHORT, "long_factor": PHI3_LONG}),
+        [None], False),
+}
+
+
+@pytest.mark.parametrize("case_id,layer_type",
+                         [(k, t) for k, case in HF_MODULE_CASES.items() for t in case[4]])
+def test_matches_transformers_modules(case_id, layer_type):
+    transformers = _hf()
+    module, config_name, rotary_name, kwargs, _, composite = HF_MODULE_CASES[case_id]
+    config_cls = getattr(transformers, config_name, None)
+    try:
+        importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    except ImportError:
+        config_cls = None
+    if config_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    config = config_cls(**copy.deepcopy(kwargs))
+    text = config.get_text_config() if composite else config
+    ref = _module_buffers(module, rotary_name, text, layer_type)
+    legacy = dict(config.to_dict())
+    if case_id == "phi3-legacy-yarn":  # config.json as written: the class has rewritten it
+        legacy.update(copy.deepcopy(kwargs), model_type="phi3", rope_parameters=None)
+    for form in (config, config.to_dict(), legacy):
+        _check(from_config(form, layer_type=layer_type), ref)
+
+
+def test_proportional_hand_computed():
+    inv, factor = rope_frequencies(16, 100.0, {"rope_type": "proportional"}, partial_rotary_factor=0.5)
+    np.testing.assert_allclose(inv, [100.0 ** (-2 * f / 16) for f in range(4)] + [0] * 4, rtol=1e-7)
+    assert inv.shape == (8,) and factor == 1.0
+    full, _ = rope_frequencies(16, 100.0, {"rope_type": "proportional", "factor": 2.0})
+    np.testing.assert_allclose(full, rope_frequencies(16, 100.0)[0] / 2, rtol=1e-7)
+    # pairs counted by int(head_dim * factor // 2), an odd rotated width allowed
+    assert np.count_nonzero(rope_frequencies(42, rope_scaling={"rope_type": "proportional"},
+                                             partial_rotary_factor=0.5)[0]) == 10
+
+
+def test_from_config_readings():
+    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
+    untruncated = rope_frequencies(128, 150000.0, dict(yarn, truncate=False))[0]
+    np.testing.assert_array_equal(rope_frequencies(128, 150000.0, dict(yarn, truncate=None))[0], untruncated)
+    assert not np.array_equal(rope_frequencies(128, 150000.0, yarn)[0], untruncated)
+    # whole-number floats for context lengths, as config files store them
+    a = rope_frequencies(64, rope_scaling=dict(yarn, original_max_position_embeddings=4096.0),
+                         max_position_embeddings=131072.0)
+    b = rope_frequencies(64, rope_scaling=yarn, max_position_embeddings=131072)
+    np.testing.assert_array_equal(a[0], b[0])
+    assert a[1] == b[1]
+    with pytest.raises(TypeError, match="max_position_embeddings"):
+        rope_frequencies(64, rope_scaling={"type": "dynamic", "factor": 2.0}, max_position_embeddings=4096.5)
+    # MLA: a factor that maps head_dim onto qk_rope_head_dim is applied once; one that does not
+    # shrinks qk_rope_head_dim as before
+    mla = {"head_dim": 128, "qk_rope_head_dim": 64, "rope_parameters": {"partial_rotary_factor": 0.5}}
+    np.testing.assert_array_equal(from_config(mla)[0], rope_frequencies(64)[0])
+    mla["rope_parameters"]["partial_rotary_factor"] = 0.25
+    np.testing.assert_array_equal(from_config(mla)[0], rope_frequencies(16)[0])
+    # composite configs: the text config; per-layer head_dim overrides by layer index
+    text = {"head_dim": 32, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}
+    np.testing.assert_array_equal(from_config({"text_config": text, "vision_config": {}})[0],
+                                  from_config(text)[0])
+    gemma = {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"],
+             "per_layer_config": {"01": {"head_dim": 32}},
+             "rope_parameters": {"sliding_attention": {"rope_type": "default"},
+                                 "full_attention": {"rope_type": "proportional",
+                                                    "partial_rotary_factor": 0.25}}}
+    full = from_config(gemma, layer_type="full_attention")[0]
+    assert full.shape == (16,) and np.count_nonzero(full) == 4
+    assert from_config(gemma, layer_type="sliding_attention")[0].shape == (8,)
+
+
 # ---------------------------------------------------------------------------
 # bad input
 
