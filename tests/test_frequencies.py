@@ -533,3 +533,32 @@ def test_cos_sin_cache_gpu_matches_cpu():
                 # each side is one rounding of a float64 value: at most one float32 ulp apart
                 err = np.abs(cupy.asnumpy(got).astype(np.float64) - ref.astype(np.float64))
                 assert np.all(err <= 2.0 ** -23 * np.abs(ref.astype(np.float64)) + 1e-45), err.max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("source", ["inv_freq", "table"])
+def test_proportional_through_kernels(rng, source, dtype):
+    """Gemma 4's proportional frequencies rotate the whole head: the pairs of
+    frequency 0 come out bit for bit as they went in, the others as the reference."""
+    from conftest import assert_close, np_dtype, oracle
+    from gpu_util import bits, to_device, to_host
+
+    import cupy_rope
+
+    head_dim = 128
+    inv, _ = rope_frequencies(head_dim, 1e6, {"rope_type": "proportional"}, partial_rotary_factor=0.25)
+    x = rng.standard_normal((2, 96, 4, head_dim)).astype(np_dtype(dtype))
+    if source == "inv_freq":
+        kw = dict(inv_freq=inv)
+        dev = dict(inv_freq=to_device(inv))
+    else:
+        cos, sin = cos_sin_cache(inv, 96)
+        kw = dict(cos=cos, sin=sin)
+        dev = dict(cos=to_device(cos), sin=to_device(sin))
+    out = to_host(cupy_rope.apply_rope(to_device(x), **dev))
+    assert_close(out, oracle(x, **kw), dtype)
+    still = np.zeros(head_dim, dtype=bool)
+    still[16:64] = still[64 + 16:] = True  # NeoX pairs (f, f + 64) with f >= 16 have frequency 0
+    np.testing.assert_array_equal(bits(out[..., still]), bits(x[..., still]))
+    assert not np.array_equal(bits(out[:, 1:, :, ~still]), bits(x[:, 1:, :, ~still]))
