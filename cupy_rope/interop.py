@@ -172,6 +172,20 @@ def _module_of(x) -> str:
     return type(x).__module__.partition(".")[0]
 
 
+def _element_strides(x, name: str) -> tuple:
+    """A CuPy or NumPy array's byte strides in elements; a stride that is not
+    a whole number of elements (possible with byte strides) is refused
+    rather than rounded, on every axis that has more than one element."""
+    item = x.itemsize
+    strides = x.strides
+    out = [s // item for s in strides]
+    for axis, (s, n) in enumerate(zip(strides, x.shape)):
+        if s % item and n > 1:
+            raise ValueError(f"{name}: stride {s} bytes on axis {axis} is not a multiple of "
+                             f"its {item}-byte elements")
+    return tuple(out)
+
+
 def describe(x, name: str) -> Tensor:
     """A :class:`Tensor` record for ``x``; ``name`` is used in error messages."""
     if isinstance(x, Tensor):
@@ -183,13 +197,11 @@ def describe(x, name: str) -> Tensor:
         return Tensor(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()),
                       _torch_dtype_name(x.dtype), device, False)
     if mod == "cupy" and hasattr(x, "data") and hasattr(x, "strides"):
-        item = x.itemsize
         mem = x.data
-        return Tensor(x, "cupy", mem.ptr, x.shape, tuple([s // item for s in x.strides]),
+        return Tensor(x, "cupy", mem.ptr, x.shape, _element_strides(x, name),
                       _dtype_name(x.dtype), (CUDA, mem.device_id), False)
     if isinstance(x, np.ndarray):
-        item = x.itemsize
-        return Tensor(x, "numpy", x.ctypes.data, x.shape, tuple(s // item for s in x.strides),
+        return Tensor(x, "numpy", x.ctypes.data, x.shape, _element_strides(x, name),
                       x.dtype.name, (CPU, 0), not x.flags.writeable)
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         kind = "jax" if mod in ("jax", "jaxlib") else "dlpack"

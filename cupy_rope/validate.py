@@ -585,14 +585,28 @@ def check_call(x=None, cos=None, sin=None, *, k=None, qkv=None, inv_freq=None, f
     if qkv is None and qkv_grads is None:
         slabs, inplace = _activation_outputs(slabs, out, out_k, inplace, layout, head_dim,
                                              dtype, device, read_only)
-    elif out is not None:  # qkv backward into a given packed gradient
-        _check_writable(slabs[0].out, "out", read_only +
-                        [(s.x, "d" + s.name) for s in slabs])
+    elif qkv_grads is not None:
+        if out is not None:  # qkv backward into a given packed gradient
+            _check_writable(slabs[0].out, "out", read_only +
+                            [(s.x, "d" + s.name) for s in slabs])
+    elif out is not None:  # qkv forward into the given out_q, out_k, out_v
+        for s in slabs:
+            _check_writable(s.out, "out_" + s.name, read_only)
 
     call = Call(layout, batch, seqlen, d, rotary_dim, interleaved, backward, inplace,
                 tuple(slabs), dtype, device, source, tables, table_offsets, max_position,
                 pos_mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank, sections,
                 sections_interleaved)
+
+    # Host arrays of positions and offsets stay below 2**62 in magnitude (as
+    # an int offset does), so that no position plus offset wraps around in
+    # int64, here or in the kernel.
+    for t, n in ((pos_t, "positions"), (off_t, "offsets")):
+        v = _host_values(t) if t is not None else None
+        if v is not None and v.size:
+            big = max(-int(v.min()), int(v.max()))
+            if big >= 2**62:
+                raise ValueError(f"{n}: expected values below 2**62 in magnitude, got {big}")
 
     # Positions the host can see are checked against the table here; device
     # positions cannot be (that would need a sync): the kernel then writes NaN
@@ -700,6 +714,9 @@ def _qkv_slabs(qkv, grads, out, layout, head_dim, num_q_heads, num_kv_heads, pac
         raise ValueError(f"packing: expected one of {', '.join(map(repr, PACKINGS))}, "
                          f"got {packing!r}")
     if num_q_heads is None or num_kv_heads is None:
+        if grads is not None:  # apply_rope_qkv_backward reads the counts off dq and dk
+            raise ValueError("head_dim: dq and dk have flattened heads [.., h * d] (or not the "
+                             "dimensions of this layout); pass head_dim= to split them")
         raise ValueError("num_q_heads, num_kv_heads: both are required for a fused QKV split")
     hq, hk = _as_int(num_q_heads, "num_q_heads"), _as_int(num_kv_heads, "num_kv_heads")
     if hq < 1 or hk < 1:

@@ -10,7 +10,7 @@ namespace rope {
 
 enum AngleSource : int {
   TABLE = 0,        // cos/sin looked up in [max_position, rotary_dim/2] tables
-  INV_FREQ = 1,     // theta = p * inv_freq[f] in fp32, then accurate sincosf
+  INV_FREQ = 1,     // theta = p * inv_freq[f] reduced (fp32; fp64 past 2^24), then sincosf
   ANGLE_TABLE = 2,  // theta looked up in [max_position, rotary_dim/2], then sincosf
 };
 
@@ -74,6 +74,37 @@ __device__ __forceinline__ float reduced_angle(float pos, float f) {
   return r + lo;
 }
 
+// |pos| < 2^24: the position is exact in fp32 and reduced_angle applies.
+__device__ __forceinline__ bool fp32_exact(i64 pos) {
+  return pos > -(i64{1} << 24) && pos < (i64{1} << 24);
+}
+
+// The reduction for positions beyond that (a context of 16M tokens and
+// more, or a packed thd call that long): in fp64 from the int64 position,
+// exact for |pos| < 2^53. hi + lo = pos * f exactly (f has 24 bits);
+// hi - k * D1 rounds once, below 8 in magnitude; 2pi - D1 - D2 is below
+// 1e-32, so k * that stays below 1e-16 for |k| < 2^53: the result is within
+// a few fp64 ulps of the reduced angle before its rounding to fp32. Out of
+// line and behind a branch the common path skips, so that the fp32 path
+// keeps its registers and schedule (results/h100-2026-11-24q/).
+__device__ __noinline__ float reduced_angle_wide(i64 pos, float f) {
+  constexpr double D1 = 6.283185307179586232;      // fl64(2 pi)
+  constexpr double D2 = 2.4492935982947064e-16;    // fl64(2 pi - D1)
+  constexpr double INV_2PI = 0.15915494309189535;  // fl64(1 / (2 pi))
+  const double p = static_cast<double>(pos);
+  const double hi = p * static_cast<double>(f);
+  const double lo = fma(p, static_cast<double>(f), -hi);
+  const double k = rint(hi * INV_2PI);
+  double r = fma(-k, D1, hi);
+  r = fma(-k, D2, r);
+  return static_cast<float>(r + lo);
+}
+
+// theta = pos * f reduced, for any int64 position.
+__device__ __forceinline__ float position_angle(i64 pos, float f) {
+  return fp32_exact(pos) ? reduced_angle(static_cast<float>(pos), f) : reduced_angle_wide(pos, f);
+}
+
 template <typename AngleT, int PAIRS, bool TABLE_STRIDED>
 __device__ __forceinline__ void load_row(const void* base, i64 offset, i64 col_stride,
                                          float (&v)[PAIRS]) {
@@ -97,12 +128,20 @@ __device__ __forceinline__ void angles(const Params& p, i64 pos, bool valid, int
   if constexpr (SOURCE == INV_FREQ) {
     float inv_freq[PAIRS];
     load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, cos_col, p.cos_stride_col, inv_freq);
+    // The fp32 reduction for every position, redone in fp64 in the rare
+    // thread whose position is not exact in fp32: written as a patch-up
+    // after the common path, rope_kernel keeps its speed (a branch between
+    // the two paths cost varlen thd 1%; results/h100-2026-11-24q/).
+    float r[PAIRS];
     const float fpos = static_cast<float>(pos);
 #pragma unroll
-    for (int i = 0; i < PAIRS; ++i) {
-      const float r = reduced_angle(fpos, inv_freq[i]);
-      sincosf(r, &s[i], &c[i]);
+    for (int i = 0; i < PAIRS; ++i) r[i] = reduced_angle(fpos, inv_freq[i]);
+    if (__builtin_expect(!fp32_exact(pos), 0)) {
+#pragma unroll
+      for (int i = 0; i < PAIRS; ++i) r[i] = reduced_angle_wide(pos, inv_freq[i]);
     }
+#pragma unroll
+    for (int i = 0; i < PAIRS; ++i) sincosf(r[i], &s[i], &c[i]);
   } else {
     if constexpr (SOURCE == TABLE) {
       load_row<AngleT, PAIRS, TABLE_STRIDED>(p.cos, pos * p.cos_stride_row + cos_col,
@@ -136,7 +175,7 @@ __device__ __forceinline__ void axis_angles(const Params& p, const i64 (&pos)[3]
     const int a = axis_of(p, f);
     const i64 q = a == 0 ? pos[0] : a == 1 ? pos[1] : pos[2];
     if constexpr (SOURCE == INV_FREQ) {
-      const float r = reduced_angle(static_cast<float>(q), to_float(cos_t[f * p.cos_stride_col]));
+      const float r = position_angle(q, to_float(cos_t[f * p.cos_stride_col]));
       sincosf(r, &s[i], &c[i]);
     } else if (q < 0 || q >= p.max_position) {
       c[i] = s[i] = __int_as_float(0x7fffffff);

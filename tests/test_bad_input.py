@@ -27,6 +27,12 @@ def inputs():
     }
 
 
+def _read_only(shape):
+    a = np.zeros(shape, np.float32)
+    a.flags.writeable = False
+    return a
+
+
 R, QK, QKV, QKVB = (cupy_rope.apply_rope, cupy_rope.apply_rope_qk, cupy_rope.apply_rope_qkv,
                     cupy_rope.apply_rope_qkv_backward)
 
@@ -85,6 +91,26 @@ CASES = [
      ValueError, "out_q, out_k, out_v: pass all three"),
     ("qkv backward heads", lambda a: QKVB(a["dq"], a["dk"][..., :1, :], a["dv"], inv_freq=a["inv"]),
      ValueError, "dv: expected 1 heads"),
+    ("qkv out_k overlaps cos", lambda a: QKV(
+        a["qkv"], a["cos"], a["sin"], num_q_heads=4, num_kv_heads=2, out_q=np.empty_like(a["q"]),
+        out_k=a["cos"].reshape(2, 4, 2, 16), out_v=np.empty_like(a["k"])),
+     ValueError, "out_k: overlaps cos"),
+    ("qkv out_v read-only", lambda a: QKV(
+        a["qkv"], inv_freq=a["inv"], num_q_heads=4, num_kv_heads=2, out_q=np.empty_like(a["q"]),
+        out_k=np.empty_like(a["k"]), out_v=_read_only(a["k"].shape)),
+     TypeError, "out_v: cannot be written"),
+    ("qkv backward flattened heads", lambda a: QKVB(
+        a["dq"].reshape(2, 4, 64), a["dk"].reshape(2, 4, 32), a["dv"].reshape(2, 4, 32),
+        inv_freq=a["inv"]), ValueError, "head_dim: dq and dk have flattened heads"),
+    ("stride not whole elements", lambda a: R(np.lib.stride_tricks.as_strided(
+        a["x"], shape=(2, 4, 3, 16), strides=(768, 192, 64, 2)), inv_freq=a["inv"]),
+     ValueError, "x: stride 2 bytes on axis 3 is not a multiple of its 4-byte elements"),
+    ("positions past 2**62", lambda a: R(a["x"], inv_freq=a["inv"],
+                                          positions=np.array([0, 1, 2, -2**63 + 3])),
+     ValueError, "positions: expected values below 2**62 in magnitude"),
+    ("offsets past 2**62", lambda a: R(a["x"], a["cos"], a["sin"], positions=np.array([0, 1, 2, 3]),
+                                        offsets=np.array([2**62, 0])),
+     ValueError, "offsets: expected values below 2**62 in magnitude"),
     ("bound: no angle source", lambda a: cupy_rope.RotaryEmbedding(layout="thd"), ValueError,
      "RotaryEmbedding: give an angle source"),
     ("bound qk tokens", lambda a: cupy_rope.RotaryEmbedding(inv_freq=a["inv"]).qk(a["q"], a["k"][:, :3]),

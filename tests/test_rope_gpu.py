@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
 import cupy_rope
+from cupy_rope import reference
 from conftest import assert_close, np_dtype, oracle
 from gpu_util import angle_sources, bits, full_nan, to_device, to_host
 
@@ -275,6 +279,52 @@ def test_long_context_angles_stay_accurate(rng, interleaved):
     ref = oracle(x, inv_freq=inv_freq, positions=positions, interleaved=interleaved)
     err = np.abs(got - ref).max() / np.abs(x).max()
     print(f"max error at positions up to 2^24: {err:.3g} (of max |x|)")
+    assert err <= ANGLE_ERROR_BOUND
+
+
+#: 2 pi to 60 digits, for angles reduced exactly in rationals.
+_TWO_PI = Fraction(Decimal("6.283185307179586476925286766559005768394338798750211641949889"))
+
+
+def _exact_cos_sin(positions, inv_freq):
+    """cos, sin [n, r/2] of position * inv_freq (float32 values), reduced
+    exactly (float64 alone loses ~1e-4 rad at positions near 2^40)."""
+    cos = np.empty((len(positions), len(inv_freq)))
+    sin = np.empty_like(cos)
+    for i, p in enumerate(positions):
+        for f, v in enumerate(inv_freq):
+            t = Fraction(int(p)) * Fraction(float(v))
+            r = float(t - round(t / _TWO_PI) * _TWO_PI)
+            cos[i, f], sin[i, f] = np.cos(r), np.sin(r)
+    return cos, sin
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("how", ["explicit", "offset", "sections"])
+def test_positions_past_2_24_computed_angles(rng, how, interleaved):
+    """inv_freq angles at positions fp32 cannot hold (|p| >= 2^24, to 2^40):
+    reduced in fp64 in the kernel, against exactly reduced angles."""
+    d, r = 64, 64
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    wide = [2**24 - 1, 2**24, 2**24 + 1, 2**30 + 7, 2**33 + 5, 2**40 + 3, -(2**24) - 5, 12345]
+    if how == "offset":  # implied positions 2^33 .. 2^33 + 7 from a host offset
+        positions, kw = np.arange(8, dtype=np.int64) + 2**33, {"offsets": 2**33}
+    else:
+        positions = np.array(wide, np.int64)
+        kw = {"positions": to_device(positions[None])}
+        if how == "sections":  # one position per axis: the per-pair (axes) path
+            kw = {"positions": to_device(np.stack([positions, positions[::-1]])[:, None]),
+                  "sections": [16, 16]}
+    x = rng.standard_normal((1, len(positions), 2, d)).astype(np.float32)
+    got = to_host(cupy_rope.apply_rope(to_device(x), inv_freq=to_device(inv_freq),
+                                       interleaved=interleaved, **kw))
+    cos, sin = _exact_cos_sin(positions, inv_freq)
+    if how == "sections":  # frequencies 16.. take the second axis (positions reversed)
+        cos2, sin2 = _exact_cos_sin(positions[::-1], inv_freq)
+        cos[:, 16:], sin[:, 16:] = cos2[:, 16:], sin2[:, 16:]
+    want = reference.rotate(x.astype(np.float64), cos[None], sin[None], r, interleaved)
+    err = np.abs(got - want).max() / np.abs(x).max()
+    print(f"max error at positions past 2^24: {err:.3g} (of max |x|)")
     assert err <= ANGLE_ERROR_BOUND
 
 
