@@ -5,15 +5,19 @@ One line, per model::
     model = cupy_rope.hf.patch(model)        # LlamaForCausalLM, Qwen2ForCausalLM, ...
 
 Every attention layer of ``model`` whose ``forward`` calls the module-level
-``apply_rotary_pos_emb`` of its modeling file (Llama, Qwen2, Mistral and the
-other Llama-family models written that way) then calls
-:func:`apply_rotary_pos_emb` below instead: q and k rotated by one
+``apply_rotary_pos_emb`` of its modeling file, where that function computes
+the Llama formula (checked when patching, on small CPU inputs: NeoX
+rotate-half pairs over the first ``cos.shape[-1]`` channels, the rest passed
+through; Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, OLMo and the other
+models written that way), then rotates q and k by one
 :func:`cupy_rope.torch.rope_qk` launch, differentiable (its backward is the
 same kernel rotating by -theta), traceable by ``torch.compile`` and capturable
-in CUDA graphs. Other models and other instances of the same class are not
-affected, and :func:`unpatch` restores the stock behaviour. To switch a whole
-model family instead (every instance, present and future), assign the
-drop-in to the modeling module::
+in CUDA graphs. Models whose function is another formula (GPT-J style
+interleaved pairs as in Cohere, a rotation the other way, other argument
+orders) are left alone, and :func:`patch` says so. Other instances of the
+same class are not affected, and :func:`unpatch` restores the stock
+behaviour. To switch a whole Llama-formula model family instead (every
+instance, present and future), assign the drop-in to the modeling module::
 
     import transformers.models.llama.modeling_llama as m
     m.apply_rotary_pos_emb = cupy_rope.hf.apply_rotary_pos_emb
@@ -31,13 +35,17 @@ index; otherwise the [b, s, d/2] half is viewed (no copy) as a
 [b * s, d/2] table and sequence i reads rows i * s ... i * s + s - 1 through
 ``offsets = [0, s, 2 s, ...]``, which is right whatever ``position_ids`` were.
 
-Anything else (CPU tensors, a partial rotary width, tables that require grad,
-other shapes) falls back to the stock implementation, so patching never
-changes what a model can run.
+A partial rotary width (cos narrower than the head, as Phi-3/Phi-4-mini
+build it) runs on the kernel with ``rotary_dim`` = that width where the
+model's own function rotates only those channels. Anything else (CPU
+tensors, tables that require grad, other shapes or arguments) calls the
+model's own function, so patching never changes what a model computes or
+can run.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -63,7 +71,7 @@ def _stock(q, k, cos, sin, unsqueeze_dim=1):
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def _fits(q, k, cos, sin, unsqueeze_dim) -> bool:
+def _fits(q, k, cos, sin, unsqueeze_dim, partial=False) -> bool:
     if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
         return False
     if q.device.type not in _DEVICES or not (q.device == k.device == cos.device == sin.device):
@@ -81,23 +89,32 @@ def _fits(q, k, cos, sin, unsqueeze_dim) -> bool:
     s, d = q.shape[seq_axis], q.shape[-1]
     if k.shape[seq_axis] != s or k.shape[-1] != d or k.shape[0] != q.shape[0]:
         return False
+    r = cos.shape[-1]  # the rotated width: d, or less where the model rotates a part
+    if r % 2 or r < 2 or r > d or (r < d and not partial):
+        return False
     if cos.dim() == 3:
-        return cos.shape[1:] == (s, d) and cos.shape[0] in (1, q.shape[0]) and d % 2 == 0
-    return cos.dim() == 2 and cos.shape == (s, d) and d % 2 == 0
+        return cos.shape[1] == s and cos.shape[0] in (1, q.shape[0])
+    return cos.dim() == 2 and cos.shape[0] == s
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **unused):
-    """Drop-in for ``transformers``' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``.
+    """Drop-in for ``transformers``' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``
+    of Llama-formula models (full rotary width).
 
     Same arguments and results (``q_embed``, ``k_embed`` with q's and k's
     shapes); see the module docstring for how cos and sin are read.
     """
     if not _fits(q, k, cos, sin, unsqueeze_dim):
         return _stock(q, k, cos, sin, unsqueeze_dim)
-    d = q.shape[-1]
-    half = d // 2
+    return _rotate(q, k, cos, sin, unsqueeze_dim)
+
+
+def _rotate(q, k, cos, sin, unsqueeze_dim):
+    """q and k rotated on the kernel (the inputs passed :func:`_fits`)."""
+    r = cos.shape[-1]
+    half = r // 2
+    kw = {} if r == q.shape[-1] else {"rotary_dim": r}
     qs, ks = (q.transpose(1, 2), k.transpose(1, 2)) if unsqueeze_dim == 1 else (q, k)  # bshd
-    kw = {}
     if cos.dim() == 2:
         cos_t, sin_t = cos[:, :half], sin[:, :half]
     elif cos.shape[0] == 1 or cos.stride(0) == 0:
@@ -113,10 +130,86 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **unused):
     return q_out, k_out
 
 
-def _patched_forward(fn):
-    """``fn`` (an attention ``forward``) resolving ``apply_rotary_pos_emb`` to ours."""
+def _probe_inputs(width, d=8, dtype=torch.float64):
+    g = torch.Generator().manual_seed(width)
+    q = torch.randn(2, 3, 5, d, generator=g, dtype=dtype)
+    k = torch.randn(2, 1, 5, d, generator=g, dtype=dtype)
+    theta = torch.rand(2, 5, width // 2, generator=g, dtype=dtype) * 6
+    cos, sin = torch.cat([theta.cos()] * 2, -1), torch.cat([theta.sin()] * 2, -1)
+    return q, k, cos, sin
+
+
+def _expected(q, k, cos, sin):
+    """The drop-in's meaning: NeoX pairs over the first cos.shape[-1] channels."""
+    r = cos.shape[-1]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    out = []
+    for t in (q, k):
+        rot, rest = t[..., :r], t[..., r:]
+        out.append(torch.cat([rot * c + _rotate_half(rot) * s, rest], -1))
+    return out
+
+
+def _agrees(fn, width) -> bool:
+    q, k, cos, sin = _probe_inputs(width)
+    try:
+        got = fn(q, k, cos, sin)
+    except Exception:
+        return False
+    want = _expected(q, k, cos, sin)
+    return (isinstance(got, (tuple, list)) and len(got) == 2
+            and all(isinstance(g, torch.Tensor) and g.shape == w.shape
+                    and torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got, want)))
+
+
+def _formula(fn):
+    """(full, partial): whether the modeling module's ``fn`` computes the Llama
+    formula over the whole head and over a narrower cos; (False, False) for a
+    function with another signature or formula. Tried once per function."""
+    known = _FORMULAS.get(fn)
+    if known is None:
+        try:
+            names = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            names = []
+        if names[:4] != ["q", "k", "cos", "sin"]:
+            known = (False, False)
+        else:
+            known = (_agrees(fn, 8), _agrees(fn, 4))
+        _FORMULAS[fn] = known
+    return known
+
+
+_FORMULAS: dict = {}
+
+
+def _drop_in_for(orig, partial):
+    """``apply_rotary_pos_emb`` for a module whose own function is ``orig``
+    (the Llama formula): the kernel where the call fits, else ``orig``."""
+    takes_unsqueeze = "unsqueeze_dim" in inspect.signature(orig).parameters
+    positional_unsqueeze = list(inspect.signature(orig).parameters)[4:5] == ["unsqueeze_dim"]
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        unsqueeze_dim = 1
+        if args or kwargs:
+            if len(args) == 1 and not kwargs and positional_unsqueeze:
+                unsqueeze_dim = args[0]
+            elif not args and set(kwargs) == {"unsqueeze_dim"} and takes_unsqueeze:
+                unsqueeze_dim = kwargs["unsqueeze_dim"]
+            else:
+                unsqueeze_dim = None
+        if unsqueeze_dim is None or not _fits(q, k, cos, sin, unsqueeze_dim, partial):
+            return orig(q, k, cos, sin, *args, **kwargs)
+        return _rotate(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.__wrapped__ = orig
+    return apply_rotary_pos_emb
+
+
+def _patched_forward(fn, drop_in):
+    """``fn`` (an attention ``forward``) resolving ``apply_rotary_pos_emb`` to ``drop_in``."""
     g = dict(fn.__globals__)
-    g["apply_rotary_pos_emb"] = apply_rotary_pos_emb
+    g["apply_rotary_pos_emb"] = drop_in
     new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__ = fn.__qualname__
@@ -130,13 +223,15 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     """Make ``model``'s attention layers rotate q and k with cupy-rope; returns ``model``.
 
     Each attention module whose class ``forward`` calls the global
-    ``apply_rotary_pos_emb`` gets an instance ``forward``: the same code
-    with that one name bound to :func:`apply_rotary_pos_emb` (its other
-    globals are a snapshot of the modeling module's, taken now). Idempotent.
-    Raises ``ValueError`` when no such layer is found (then assign the
-    drop-in to the modeling module, see the module docstring).
+    ``apply_rotary_pos_emb``, where that function computes the Llama formula
+    (see the module docstring), gets an instance ``forward``: the same code
+    with that one name bound to a drop-in that runs the kernel where the
+    call fits and the model's own function otherwise (its other globals are
+    a snapshot of the modeling module's, taken now). Idempotent. Raises
+    ``ValueError`` when no layer qualifies, naming the functions that are
+    another formula.
     """
-    found = 0
+    found, other = 0, set()
     for module in model.modules():
         if getattr(module.__dict__.get("forward"), _MARK, False):
             found += 1
@@ -145,13 +240,19 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
         code = getattr(fn, "__code__", None)
         if code is None or "apply_rotary_pos_emb" not in code.co_names:
             continue
-        module.forward = types.MethodType(_patched_forward(fn), module)
+        orig = fn.__globals__.get("apply_rotary_pos_emb")
+        full, partial = _formula(orig) if callable(orig) else (False, False)
+        if not full:
+            other.add(f"{getattr(orig, '__module__', '?')}.apply_rotary_pos_emb")
+            continue
+        module.forward = types.MethodType(_patched_forward(fn, _drop_in_for(orig, partial)), module)
         found += 1
     if not found:
-        raise ValueError(
-            f"model: found no attention layer in {type(model).__name__} whose forward calls "
-            "apply_rotary_pos_emb; assign cupy_rope.hf.apply_rotary_pos_emb to its modeling "
-            "module instead")
+        why = (f"; {', '.join(sorted(other))} is not the Llama formula (NeoX rotate-half "
+               "pairs, q, k, cos, sin arguments)" if other else
+               "; assign cupy_rope.hf.apply_rotary_pos_emb to its modeling module instead")
+        raise ValueError(f"model: found no attention layer in {type(model).__name__} whose "
+                         f"forward calls a Llama-formula apply_rotary_pos_emb{why}")
     return model
 
 

@@ -1,0 +1,114 @@
+"""cupy_rope.hf on the CPU: which models ``patch`` takes, and that a patched
+model computes what the stock one does (tiny random models from configs,
+nothing downloaded). The kernel path runs through the NumPy reference by
+letting ``_fits`` accept CPU tensors (``cpu_kernel_path``); the GPU tests
+(test_hf_gpu.py) run it on the device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import cupy_rope.hf as crhf  # noqa: E402
+import cupy_rope.torch as crt  # noqa: E402
+
+SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+# model type -> (config class, model class, extra config); the Llama formula or not
+LLAMA_FORMULA = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "phi3-partial": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.75,
+                                                       "pad_token_id": 0}),
+}
+OTHER_FORMULA = {  # interleaved pairs, rotation the other way, other argument orders
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", {"head_dim": 16}),
+    "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {}),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {"n_embd": 64, "n_head": 4, "n_layer": 1,
+                                               "rotary_dim": 8, "n_positions": 128}),
+}
+
+
+def build(case):
+    config_name, model_name, extra = case
+    config_cls = getattr(transformers, config_name, None)
+    model_cls = getattr(transformers, model_name, None)
+    if config_cls is None or model_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    torch.manual_seed(0)
+    kw = {**SMALL, **extra} if config_name != "GPTJConfig" else {"vocab_size": 64, **extra}
+    model = model_cls(config_cls(**kw))
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+@pytest.fixture
+def cpu_kernel_path(monkeypatch):
+    """The drop-in takes CPU tensors to the kernel path (the NumPy reference
+    behind cupy_rope.torch), counting its calls."""
+    monkeypatch.setattr(crhf, "_DEVICES", ("cuda", "cpu"))
+    calls = []
+    orig = crt.rope_qk
+
+    def spy(*a, **k):
+        calls.append(k.get("rotary_dim"))
+        return orig(*a, **k)
+
+    monkeypatch.setattr(crt, "rope_qk", spy)
+    return calls
+
+
+def logits(model):
+    ids = torch.arange(12).reshape(2, 6) % SMALL["vocab_size"]
+    position_ids = torch.arange(6)[None, :] + torch.tensor([[0], [3]])
+    with torch.no_grad():
+        return model(input_ids=ids, position_ids=position_ids).logits.numpy()
+
+
+@pytest.mark.parametrize("name", LLAMA_FORMULA)
+def test_llama_formula_models_are_patched_and_unchanged(name, cpu_kernel_path):
+    model = build(LLAMA_FORMULA[name])
+    stock = logits(model)
+    crhf.patch(model)
+    got = logits(model)
+    assert cpu_kernel_path, "the kernel path was not taken"
+    if name == "phi3-partial":  # cos narrower than the head: rotary_dim = its width
+        assert set(cpu_kernel_path) == {12}
+    np.testing.assert_allclose(got, stock, rtol=1e-5, atol=1e-5)
+    crhf.unpatch(model)
+    np.testing.assert_array_equal(logits(model), stock)
+
+
+@pytest.mark.parametrize("name", OTHER_FORMULA)
+def test_other_formulas_are_refused_not_rotated_wrongly(name, cpu_kernel_path):
+    model = build(OTHER_FORMULA[name])
+    stock = logits(model)
+    with pytest.raises(ValueError, match="is not the Llama formula"):
+        crhf.patch(model)
+    assert not cpu_kernel_path
+    np.testing.assert_array_equal(logits(model), stock)
+
+
+def test_fallback_is_the_models_own_function():
+    """Off the kernel path (CPU tensors), a patched partial-rotary model runs
+    its own function: the same logits, where Llama's formula would fail."""
+    model = build(LLAMA_FORMULA["phi3-partial"])
+    stock = logits(model)
+    crhf.patch(model)
+    np.testing.assert_array_equal(logits(model), stock)
+
+
+def test_formula_probe():
+    from transformers.models.cohere import modeling_cohere
+    from transformers.models.llama import modeling_llama
+    from transformers.models.phi3 import modeling_phi3
+
+    assert crhf._formula(modeling_llama.apply_rotary_pos_emb) == (True, False)
+    assert crhf._formula(modeling_phi3.apply_rotary_pos_emb) == (True, True)
+    assert crhf._formula(modeling_cohere.apply_rotary_pos_emb) == (False, False)
+    assert crhf._formula(lambda tensor, sin, cos: tensor) == (False, False)
