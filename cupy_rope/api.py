@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 
 import numpy as np
@@ -271,16 +272,20 @@ def option_kwargs(kw: dict, layout="bshd", interleaved=False, rotary_dim=None, h
     framework adapters build library calls with it); returns ``kw``."""
     if layout != "bshd":
         kw["layout"] = layout
+    for flag, name in ((interleaved, "interleaved"), (sections_interleaved, "sections_interleaved")):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if interleaved:
         kw["interleaved"] = True
     if rotary_dim is not None:
-        kw["rotary_dim"] = int(rotary_dim)
+        kw["rotary_dim"] = validate._as_int(rotary_dim, "rotary_dim")
     if head_dim is not None:
-        kw["head_dim"] = int(head_dim)
+        kw["head_dim"] = validate._as_int(head_dim, "head_dim")
     if cp_size != 1 or cp_rank != 0:
-        kw["cp_size"], kw["cp_rank"] = int(cp_size), int(cp_rank)
+        kw["cp_size"] = validate._as_int(cp_size, "cp_size")
+        kw["cp_rank"] = validate._as_int(cp_rank, "cp_rank")
     if sections is not None:
-        kw["sections"] = tuple(int(v) for v in sections)
+        kw["sections"] = tuple(validate._as_int(v, "sections") for v in sections)
     if sections_interleaved:
         kw["sections_interleaved"] = True
     return kw
@@ -403,11 +408,41 @@ def _fast_allocs(op, call, arrays, n_alloc):
             for shape in shapes]
 
 
+# Arrays of the caller's that a call wrote (in place, or out=) get their
+# framework's record of it: torch tensors their version counter bumped, as
+# torch's own in-place ops do, so that autograd refuses a backward through a
+# tensor it saved and this call then overwrote (instead of a silent wrong
+# gradient). Other frameworks keep no such record.
+_VERSION_BUMPS: dict = {}
+
+
+def _bumper(cls):
+    f = _VERSION_BUMPS.get(cls)
+    if f is None:
+        torch = sys.modules.get("torch")
+        f = False
+        if torch is not None and isinstance(cls, type) and issubclass(cls, torch.Tensor):
+            f = torch._C._increment_version  # takes a tuple of tensors
+        _VERSION_BUMPS[cls] = f
+    return f
+
+
+def written(arrays: tuple) -> None:
+    """Record that the call wrote ``arrays`` (all of one class) in place."""
+    f = _VERSION_BUMPS.get(type(arrays[0]))
+    if f is None:
+        f = _bumper(type(arrays[0]))
+    if f:
+        f(arrays)
+
+
 def _result_rope(arrays, outs):
     x, out = arrays[0], arrays[_OUT_INDEX["rope"]]
     if outs:
         return _wrap(x, outs[0])
-    return out if out is not None else x
+    r = out if out is not None else x
+    written((r,))
+    return r
 
 
 def _result_qk(arrays, outs):
@@ -416,7 +451,12 @@ def _result_qk(arrays, outs):
         return _wrap(q, outs[0]), _wrap(q, outs[1])
     i = _OUT_INDEX["qk"]
     if arrays[i] is not None:
-        return arrays[i], arrays[i + 1]
+        q, k = arrays[i], arrays[i + 1]
+    if type(q) is type(k):
+        written((q, k))
+    else:
+        written((q,))
+        written((k,))
     return q, k
 
 
@@ -424,13 +464,17 @@ def _result_qkv(arrays, outs):
     if outs:
         return tuple(_wrap(arrays[0], o) for o in outs)
     i = _OUT_INDEX["qkv"]
+    for o in arrays[i:i + 3]:
+        written((o,))
     return tuple(arrays[i:i + 3])
 
 
 def _result_qkv_backward(arrays, outs):
     if outs:
         return _wrap(arrays[0], outs[0])
-    return arrays[_OUT_INDEX["qkv_backward"]]
+    out = arrays[_OUT_INDEX["qkv_backward"]]
+    written((out,))
+    return out
 
 
 def _wrap(like, arr):
@@ -793,6 +837,7 @@ class RotaryEmbedding:
                 # A plan of this object's with nothing to allocate: only the
                 # overlap test is left per call (go returns False on overlap).
                 if go is not None and go(*got[1]):
+                    written((q, k))
                     return q, k
                 if go is None and len(fast) < 256:
                     remember = functools.partial(self._remember, fast, got[0], self._bound[1])

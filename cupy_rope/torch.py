@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from . import api
+from .validate import _as_int
 
 __all__ = ["rope", "rope_", "rope_qk", "rope_qk_", "rope_qkv", "apply_rope", "apply_rope_qk",
            "apply_rope_qkv"]
@@ -360,14 +361,34 @@ _rope_qkv_backward_op.register_autograd(_rope_qkv_backward_grad,
 # -------------------------------------------------------- public functions --
 def _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens, layout,
              interleaved, rotary_dim, head_dim, cp_size, cp_rank) -> tuple:
-    """The common positional op arguments from the public keyword arguments."""
+    """The common positional op arguments from the public keyword arguments,
+    checked as the array API checks them (an int is an int, a bool a bool),
+    and refusing angle tensors that ask for a gradient: the kernels give
+    none for them (the angles are constants), and a silent zero would train
+    learnable frequencies wrongly."""
     offset = 0
-    if isinstance(offsets, bool):
-        raise TypeError("offsets: expected an int or an int32/int64 tensor, got bool")
     if offsets is not None and not isinstance(offsets, Tensor):
-        offsets, offset = None, int(offsets)
+        if isinstance(offsets, bool):
+            raise TypeError("offsets: expected an int or an int32/int64 tensor, got bool")
+        offsets, offset = None, _as_int(offsets, "offsets")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
+    if rotary_dim is not None:
+        rotary_dim = _as_int(rotary_dim, "rotary_dim")
+    if head_dim is not None:
+        head_dim = _as_int(head_dim, "head_dim")
+    if torch.is_grad_enabled():
+        for name, t in zip(_TABLE_ARGS, (cos, sin, inv_freq, freqs, cos_sin_cache)):
+            if isinstance(t, Tensor) and t.requires_grad:
+                raise ValueError(f"{name}: requires grad, but cupy-rope gives no gradient for "
+                                 "the angles (they are constants here); pass it detached, or "
+                                 "rotate with torch operations where the angles must learn")
     return (cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens, offset,
-            layout, bool(interleaved), rotary_dim, head_dim, int(cp_size), int(cp_rank))
+            layout, interleaved, rotary_dim, head_dim, _as_int(cp_size, "cp_size"),
+            _as_int(cp_rank, "cp_rank"))
+
+
+_TABLE_ARGS = ("cos", "sin", "inv_freq", "freqs", "cos_sin_cache")
 
 
 def _axes_args(sections, sections_interleaved) -> tuple:
