@@ -10,9 +10,16 @@ with the keyword arguments of :func:`cupy_rope.apply_rope` (``docs/api.md``).
 Each is a ``jax.custom_vjp`` whose backward runs the same kernel rotating by
 -theta (``jax.grad`` never differentiates through the kernel launch); for
 ``rope_qkv`` the backward is :func:`cupy_rope.apply_rope_qkv_backward`, which
-packs dq, dk, dv back. Gradients flow to x / q / k / qkv only: angle tables,
-positions and offsets get zero cotangents. JAX arrays are immutable, so
-there are no in-place variants.
+packs dq, dk, dv back. Each backward is itself an op with a vjp (the
+forward again), so ``jax.grad`` of ``jax.grad`` works. Gradients flow to x /
+q / k / qkv only: angle tables, positions and offsets get zero cotangents.
+JAX arrays are immutable, so there are no in-place variants.
+
+``offsets``: a Python int is static (part of the compiled program: a new
+value compiles a new one), a 0-d int array is one traced offset for every
+sequence (a jitted decode step), a [batch] (thd: [n_seqs]) int array one per
+sequence. Host (NumPy) int64 positions or offsets beyond int32 are refused
+unless ``jax_enable_x64`` is on (JAX would narrow them to int32).
 
 Per-axis positions (M-RoPE, axial RoPE): ``sections`` (1 to 3 frequency
 counts, one per position axis, summing to rotary_dim / 2) and
@@ -77,6 +84,7 @@ import jax.numpy as jnp
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import api
+from .validate import _as_int
 
 __all__ = ["rope", "rope_qk", "rope_qkv", "apply_rope", "apply_rope_qk", "apply_rope_qkv"]
 
@@ -107,9 +115,30 @@ def _static_sections(sections, sections_interleaved):
     return sections, bool(sections_interleaved)
 
 
+def _to_jax(v, name):
+    """``v`` as a JAX array. Host integer arrays whose values JAX would
+    narrow to int32 (jax_enable_x64 off) are refused rather than wrapped."""
+    if not isinstance(v, jax.Array):
+        a = np.asarray(v)
+        if (a.dtype.kind in "iu" and a.dtype.itemsize > 4 and a.size
+                and not jax.config.jax_enable_x64
+                and (int(a.min()) < -2**31 or int(a.max()) >= 2**31)):
+            raise ValueError(f"{name}: values reach {int(a.max()) if a.max() >= 2**31 else int(a.min())}, "
+                             "beyond int32, and JAX without jax_enable_x64 would narrow them "
+                             "to int32; enable x64 (jax.config.update('jax_enable_x64', True))")
+    return jnp.asarray(v)
+
+
+def _batch_count(shape, layout, cu_seqlens):
+    """Entries of an offsets array: batch (bshd, sbhd) or sequences (thd)."""
+    if layout == "thd":
+        return None if cu_seqlens is None else int(np.shape(cu_seqlens)[0]) - 1
+    return int(shape[1] if layout == "sbhd" else shape[0]) if len(shape) > 1 else None
+
+
 def _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens, layout, cp_size,
              cp_rank, interleaved, rotary_dim, head_dim, extra=(), sections=None,
-             sections_interleaved=False):
+             sections_interleaved=False, shape=()):
     arrays, names, kw = [], [], dict(extra)
     for name, v in zip(_ARRAY_NAMES, (cos, sin, inv_freq, freqs, positions, offsets,
                                       cu_seqlens)):
@@ -117,10 +146,18 @@ def _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens, layout, 
             continue
         if name == "offsets" and isinstance(v, (int, np.integer)) and not isinstance(v, bool):
             if int(v):
-                kw["offsets"] = int(v)
+                kw["offsets"] = int(v)  # static: part of the compiled program
             continue
+        a = _to_jax(v, name)
+        if name == "offsets" and a.ndim == 0:
+            # one offset for every sequence (a jitted decode step's traced scalar)
+            n = _batch_count(shape, layout, cu_seqlens)
+            if n is None:
+                raise ValueError("offsets: a 0-d offsets array needs a batch (bshd, sbhd) "
+                                 "or cu_seqlens (thd); pass an int otherwise")
+            a = jnp.broadcast_to(a, (n,))
         names.append(name)
-        arrays.append(jnp.asarray(v))
+        arrays.append(a)
     sections, sections_interleaved = _static_sections(sections, sections_interleaved)
     api.option_kwargs(kw, layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank, sections,
                       sections_interleaved)
@@ -211,7 +248,7 @@ def _cupy_stream(ptr: int, dev_id: int):
     return cupy.cuda.ExternalStream(ptr, dev_id)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1024)
 def _callback(op: str, static: _Static, backward: bool):
     """One callable per (op, static, direction): XLA caches programs on its identity."""
     n_in = {"rope": 1, "rope_qk": 2, "rope_qkv": 1, "rope_qkv_backward": 3}[op]
@@ -242,6 +279,12 @@ def _callback(op: str, static: _Static, backward: bool):
     return callback
 
 
+def _flag(v, name):
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+    return bool(v)
+
+
 def _spec(a):
     return jax.ShapeDtypeStruct(a.shape, a.dtype)
 
@@ -257,11 +300,13 @@ def _rope(static, backward, x, arrays):
 
 
 def _rope_fwd(static, backward, x, arrays):
-    return _rope_impl(static, backward, x, arrays), arrays
+    return _rope(static, backward, x, arrays), arrays
 
 
 def _rope_bwd(static, backward, arrays, g):
-    return _rope_impl(static, not backward, g, arrays), None
+    # The backward is the op itself (rotation by -theta), so that it is
+    # differentiable again (jax.grad of jax.grad).
+    return _rope(static, not backward, g, arrays), None
 
 
 _rope.defvjp(_rope_fwd, _rope_bwd)
@@ -275,14 +320,17 @@ def rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, of
 
     Works eagerly and under ``jax.jit``; ``jax.grad`` runs the kernel with
     ``backward`` flipped (rotation by -theta). ``offsets`` may be a Python int
-    (static) or an int array. M-RoPE / axial RoPE: ``sections`` and
+    (static), a 0-d int array (traced, every sequence) or one per sequence.
+    M-RoPE / axial RoPE: ``sections`` and
     ``sections_interleaved`` (static), ``positions`` [axes, s] / [axes, b, s]
     (thd: [axes, t]).
     """
+    x = jnp.asarray(x)
     static, arrays = _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens,
                               layout, cp_size, cp_rank, interleaved, rotary_dim, head_dim,
-                              sections=sections, sections_interleaved=sections_interleaved)
-    return _rope(static, bool(backward), jnp.asarray(x), arrays)
+                              sections=sections, sections_interleaved=sections_interleaved,
+                              shape=x.shape)
+    return _rope(static, _flag(backward, "backward"), x, arrays)
 
 
 # ------------------------------------------------------------------- q and k --
@@ -297,11 +345,11 @@ def _rope_qk(static, backward, q, k, arrays):
 
 
 def _rope_qk_fwd(static, backward, q, k, arrays):
-    return _rope_qk_impl(static, backward, q, k, arrays), arrays
+    return _rope_qk(static, backward, q, k, arrays), arrays
 
 
 def _rope_qk_bwd(static, backward, arrays, grads):
-    dq, dk = _rope_qk_impl(static, not backward, grads[0], grads[1], arrays)
+    dq, dk = _rope_qk(static, not backward, grads[0], grads[1], arrays)
     return dq, dk, None
 
 
@@ -313,10 +361,12 @@ def rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=No
             interleaved=False, rotary_dim=None, head_dim=None, backward=False, sections=None,
             sections_interleaved=False):
     """Rotated copies of q [.., hq, d] and k [.., hk, d] in one launch."""
+    q, k = jnp.asarray(q), jnp.asarray(k)
     static, arrays = _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens,
                               layout, cp_size, cp_rank, interleaved, rotary_dim, head_dim,
-                              sections=sections, sections_interleaved=sections_interleaved)
-    return _rope_qk(static, bool(backward), jnp.asarray(q), jnp.asarray(k), arrays)
+                              sections=sections, sections_interleaved=sections_interleaved,
+                              shape=q.shape)
+    return _rope_qk(static, _flag(backward, "backward"), q, k, arrays)
 
 
 # ----------------------------------------------------------------- fused qkv --
@@ -347,19 +397,35 @@ def _rope_qkv(static, bwd_static, geometry, qkv, arrays):
 
 
 def _rope_qkv_fwd(static, bwd_static, geometry, qkv, arrays):
-    return _qkv_impl(static, qkv, arrays, *geometry[:4]), arrays
+    return _rope_qkv(static, bwd_static, geometry, qkv, arrays), arrays
 
 
 def _rope_qkv_bwd(static, bwd_static, geometry, arrays, grads):
-    packed = geometry[4]
     dq, dk, dv = grads
-    out = jax.ShapeDtypeStruct(packed, dq.dtype)
-    dqkv = buffer_callback(_callback("rope_qkv_backward", bwd_static, True), out)(
-        dq, dk, dv, *arrays)
-    return dqkv, None
+    return _rope_qkv_backward(static, bwd_static, geometry, dq, dk, dv, arrays), None
 
 
 _rope_qkv.defvjp(_rope_qkv_fwd, _rope_qkv_bwd)
+
+
+# The backward of the split (rotate dq, dk by -theta, pack with dv) as an op
+# of its own, whose gradient is the split again: jax.grad of jax.grad.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _rope_qkv_backward(static, bwd_static, geometry, dq, dk, dv, arrays):
+    out = jax.ShapeDtypeStruct(geometry[4], dq.dtype)
+    return buffer_callback(_callback("rope_qkv_backward", bwd_static, True), out)(
+        dq, dk, dv, *arrays)
+
+
+def _rope_qkv_backward_fwd(static, bwd_static, geometry, dq, dk, dv, arrays):
+    return _rope_qkv_backward(static, bwd_static, geometry, dq, dk, dv, arrays), arrays
+
+
+def _rope_qkv_backward_bwd(static, bwd_static, geometry, arrays, g):
+    return (*_rope_qkv(static, bwd_static, geometry, g, arrays), None)
+
+
+_rope_qkv_backward.defvjp(_rope_qkv_backward_fwd, _rope_qkv_backward_bwd)
 
 
 def _split_qkv(qkv, hq, hk, head_dim, packing, layout):
@@ -399,10 +465,11 @@ def rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=Non
     :func:`rope_qk` (gradients through XLA's slicing).
     """
     qkv = jnp.asarray(qkv)
-    hq, hk = int(num_q_heads), int(num_kv_heads)
+    hq, hk = _as_int(num_q_heads, "num_q_heads"), _as_int(num_kv_heads, "num_kv_heads")
     args = (cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens, layout, cp_size,
             cp_rank, interleaved, rotary_dim)
-    axes = {"sections": sections, "sections_interleaved": sections_interleaved}
+    axes = {"sections": sections, "sections_interleaved": sections_interleaved,
+            "shape": qkv.shape}
     if {"out_q", "out_k", "out_v"} <= _named_params(api.apply_rope_qkv):
         extra = {"num_q_heads": hq, "num_kv_heads": hk, "packing": packing}
         static, arrays = _collect(*args, head_dim, extra=extra, **axes)

@@ -342,3 +342,56 @@ def test_mrope_traced_positions_no_recompile():
         assert_close(np.asarray(y), np.asarray(ref_rope(x, positions=pos, **kw) * 2.0),
                      "float32", f"traced positions, call {i}")
     assert f._cache_size() == 1
+
+
+def _second_order(fn, x, w):
+    """jax.grad of (jax.grad of sum(fn(x) ** 3)) . w: exercises the backward's own vjp."""
+    def inner(u):
+        outs = fn(u)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return sum(jnp.sum(o ** 3) for o in outs)
+    return jax.grad(lambda t: jnp.sum(jax.grad(inner)(t) * w))(x)
+
+
+@pytest.mark.parametrize("op", ["rope", "rope_qk", "rope_qkv"])
+def test_grad_of_grad(op):
+    t = tables(64)
+    x = randn(20, (2, 8, 4, 64), "float32")
+    w = randn(21, x.shape, "float32")
+    if op == "rope":
+        ours, ref = (lambda u: crj.rope(u, t["cos"], t["sin"]),
+                     lambda u: ref_rope(u, t["cos"], t["sin"]))
+    elif op == "rope_qk":
+        ours = lambda u: crj.rope_qk(u, u[:, :, :1], t["cos"], t["sin"])  # noqa: E731
+        ref = lambda u: (ref_rope(u, t["cos"], t["sin"]),  # noqa: E731
+                         ref_rope(u[:, :, :1], t["cos"], t["sin"]))
+    else:  # packed [q q k v]: 2 q heads, 1 kv head
+        ours = lambda u: crj.rope_qkv(u, t["cos"], t["sin"], num_q_heads=2,  # noqa: E731
+                                      num_kv_heads=1)
+        ref = lambda u: (ref_rope(u[:, :, :2], t["cos"], t["sin"]),  # noqa: E731
+                         ref_rope(u[:, :, 2:3], t["cos"], t["sin"]), u[:, :, 3:])
+    for f in (_second_order, jax.jit(_second_order, static_argnums=0)):
+        got = f(ours, x, w)
+        assert_close(np.asarray(got), np.asarray(_second_order(ref, x, w)), "float32",
+                     f"{op} second order")
+
+
+def test_scalar_offsets_array_in_a_jitted_decode_step():
+    """A 0-d offsets array (one offset for every sequence) is traced, not static."""
+    t = tables(64)
+    step = jax.jit(lambda x, off: crj.rope(x, t["cos"], t["sin"], offsets=off))
+    x = randn(22, (3, 1, 4, 64), "float32")
+    for pos in (0, 5, 17):
+        off = jnp.asarray(pos, jnp.int32)
+        want = ref_rope(x, t["cos"], t["sin"], offsets=jnp.full((3,), pos))
+        assert_close(np.asarray(step(x, off)), np.asarray(want), "float32", f"offset {pos}")
+    assert step._cache_size() == 1
+
+
+def test_host_int64_positions_beyond_int32_refused():
+    if jax.config.jax_enable_x64:
+        pytest.skip("with x64, int64 positions stay int64")
+    t = tables(64)
+    x = randn(23, (1, 4, 2, 64), "float32")
+    with pytest.raises(ValueError, match="positions: values reach 4294967299, beyond int32"):
+        crj.rope(x, inv_freq=t["inv_freq"], positions=np.full((1, 4), 2**32 + 3, np.int64))
