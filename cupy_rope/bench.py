@@ -439,7 +439,9 @@ class _Env:
         tptr = self.torch.cuda.current_stream().cuda_stream
         if tptr == self.cupy.cuda.get_current_stream().ptr:
             return contextlib.nullcontext()
-        return self.cupy.cuda.ExternalStream(tptr)
+        from .interop import external_stream
+
+        return external_stream(tptr, self.torch.cuda.current_device())
 
 
 def _module_of(a) -> str:

@@ -474,12 +474,35 @@ def to_host(a) -> np.ndarray:
     return cupy.asnumpy(cupy.from_dlpack(a) if not isinstance(a, cupy.ndarray) else a)
 
 
+class _StreamHandle:
+    """A raw CUDA stream handle, offered through the CUDA stream protocol."""
+
+    __slots__ = ("_ptr",)
+
+    def __init__(self, ptr: int):
+        self._ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self._ptr)
+
+
+def external_stream(ptr: int, device_id: int):
+    """A CuPy stream object for a raw handle it does not own (CuPy 14's
+    ``Stream.from_external``; ``ExternalStream`` before, deprecated since)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr, device_id)
+
+
 def to_device(t: Tensor, device_id: int, stream: int):
     """A CuPy copy of host array ``t`` on ``device_id``, made on ``stream``
     (for host cu_seqlens)."""
     import cupy
 
-    with cupy.cuda.Device(device_id), cupy.cuda.ExternalStream(stream, device_id):
+    with cupy.cuda.Device(device_id), external_stream(stream, device_id):
         return cupy.asarray(np.ascontiguousarray(np.asarray(t.obj)))
 
 
@@ -487,7 +510,7 @@ def synchronize_stream(stream: int, device_id: int) -> None:
     import cupy
 
     with cupy.cuda.Device(device_id):
-        cupy.cuda.ExternalStream(stream, device_id).synchronize()
+        external_stream(stream, device_id).synchronize()
 
 
 def wrap_result(t: Tensor, arr):

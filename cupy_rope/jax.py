@@ -226,26 +226,11 @@ def _launch(ctx, first_buf, fn):
             fn()
 
 
-class _StreamHandle:
-    """XLA's stream handle, offered through the CUDA stream protocol."""
-
-    __slots__ = ("_ptr",)
-
-    def __init__(self, ptr: int):
-        self._ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self._ptr)
-
-
 def _cupy_stream(ptr: int, dev_id: int):
-    """A CuPy stream object for a raw handle it does not own."""
-    import cupy
+    """A CuPy stream object for XLA's raw handle (which it does not own)."""
+    from .interop import external_stream
 
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy >= 14
-    if from_external is not None:
-        return from_external(_StreamHandle(ptr))
-    return cupy.cuda.ExternalStream(ptr, dev_id)
+    return external_stream(ptr, dev_id)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -421,6 +421,23 @@ def qk_decode_and_qkv():
 
 
 @case
+def computed_angles_past_2_24():
+    """inv_freq at positions fp32 cannot hold: the kernels' fp64 reduction
+    (an out-of-line call) for some lanes, the fp32 one for the others."""
+    n = 0
+    for dtype in ("float32", "bfloat16"):
+        x = normal((2, 9, 3, 64), dtype)
+        pos = np.concatenate([rng.integers(2**24, 2**30, (2, 5)),
+                              rng.integers(0, 2**20, (2, 4))], 1).astype(np.int64)
+        for interleaved in (False, True):
+            run(f"positions past 2^24 {dtype} interleaved={interleaved}", cupy_rope.apply_rope,
+                dtype, [x], {"inv_freq": inv_freq(64), "positions": pos,
+                             "interleaved": interleaved})
+            n += 1
+    return n
+
+
+@case
 def outside_the_table_and_empty():
     cos, sin = tables(32, 8)
     x = normal((2, 4, 2, 32))
