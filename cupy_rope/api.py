@@ -348,9 +348,15 @@ def _slow(op, arrays, kwargs, offsets, key):
     disjoint = launch.disjoint_pairs(call, arrays, set(range(n_user, len(arrays))))
     plan = launch.Plan(call, arrays)
     offset_range = (-(2**62) + 1, 2**62)  # what validation accepts
-    if call.source != "inv_freq" and call.pos_mode == "implied" and call.offsets is None:
-        # Implied positions [0, seqlen * cp_size) + offset must stay inside the table.
-        offset_range = (0, call.max_position - (call.seqlen * call.cp_size - 1))
+    if call.pos_mode == "implied" and call.offsets is None:
+        # Implied positions [0, seqlen * cp_size) + offset must stay inside the
+        # table, or (computed angles) below 2**53 in magnitude.
+        span = call.seqlen * call.cp_size - 1
+        if call.source != "inv_freq":
+            offset_range = (0, call.max_position - span)
+        else:
+            top = validate.MAX_COMPUTED_POSITION
+            offset_range = (-top + 1, top - span)
     if cacheable:
         prepared = _Prepared(plan, _fast_allocs(op, call, arrays, len(allocated)),
                              [_sig_of(o) for o in allocated], disjoint,
@@ -422,7 +428,14 @@ def _bumper(cls):
         torch = sys.modules.get("torch")
         f = False
         if torch is not None and isinstance(cls, type) and issubclass(cls, torch.Tensor):
-            f = torch._C._increment_version  # takes a tuple of tensors
+            inc = torch._C._increment_version
+            try:
+                inc(())  # torch >= 2.5 takes a tuple of tensors
+                f = inc
+            except TypeError:  # older torch: one tensor
+                def f(tensors, inc=inc):
+                    for t in tensors:
+                        inc(t)
         _VERSION_BUMPS[cls] = f
     return f
 

@@ -433,7 +433,6 @@ def rope_frequencies(head_dim, rope_theta=None, rope_scaling=None, partial_rotar
 
 
 _NESTING_MARKERS = ("rope_type", "type", "rope_theta", "factor", "partial_rotary_factor")
-_HEAD_KEYS = ("head_dim", "qk_rope_head_dim", "hidden_size")
 
 
 def _config_getter(config):
@@ -453,7 +452,7 @@ def _layer_override(config, get, layer_type):
     """The per-layer config (or dict of overrides) of the first layer of
     ``layer_type``, where the config has ``per_layer_config``; else None."""
     per_layer = get("per_layer_config")
-    if not per_layer:
+    if per_layer is None or (isinstance(per_layer, Mapping) and not per_layer):
         return None
     if not isinstance(per_layer, Mapping):
         try:  # transformers' view: indexed by layer type, as its rope functions do
@@ -499,8 +498,8 @@ def from_config(config, seq_len=None, *, layer_type=None) -> Tuple[np.ndarray, f
       in transformers; Phi-3 configs (``model_type`` "phi3") that name
       ``yarn`` mean LongRoPE, as transformers' Phi3Config reads them.
 
-    A composite (multimodal) config whose top level holds neither rope
-    parameters nor head sizes is read through its ``text_config``. For a
+    A composite (multimodal) config whose top level has no rope parameters
+    and cannot give the head size is read through its ``text_config``. For a
     per-layer ``yarn`` entry ``truncate`` is read from that entry
     (transformers reads it from the top-level dict, where a per-layer config
     has none, and so always truncates).
@@ -509,7 +508,10 @@ def from_config(config, seq_len=None, *, layer_type=None) -> Tuple[np.ndarray, f
     """
     get = _config_getter(config)
     text = get("text_config")
-    if text is not None and not any(get(k) for k in _HEAD_KEYS + ("rope_parameters", "rope_scaling")):
+    if text is not None and not (get("rope_parameters") or get("rope_scaling")) and not (
+            get("head_dim") or get("qk_rope_head_dim")
+            or (get("hidden_size") and get("num_attention_heads"))):
+        # a composite config whose top level cannot say the head size
         return from_config(text, seq_len, layer_type=layer_type)
 
     params: Any = get("rope_parameters")

@@ -12,9 +12,9 @@ through; Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, OLMo and the other
 models written that way), then rotates q and k by one
 :func:`cupy_rope.torch.rope_qk` launch, differentiable (its backward is the
 same kernel rotating by -theta), traceable by ``torch.compile`` and capturable
-in CUDA graphs. Models whose function is another formula (GPT-J style
+in CUDA graphs. Layers whose function is another formula (GPT-J style
 interleaved pairs as in Cohere, a rotation the other way, other argument
-orders) are left alone, and :func:`patch` says so. Other instances of the
+orders) are left alone; :func:`patch` raises when no layer qualifies. Other instances of the
 same class are not affected, and :func:`unpatch` restores the stock
 behaviour. To switch a whole Llama-formula model family instead (every
 instance, present and future), assign the drop-in to the modeling module::
@@ -130,11 +130,14 @@ def _rotate(q, k, cos, sin, unsqueeze_dim):
     return q_out, k_out
 
 
-def _probe_inputs(width, d=8, dtype=torch.float64):
-    g = torch.Generator().manual_seed(width)
-    q = torch.randn(2, 3, 5, d, generator=g, dtype=dtype)
-    k = torch.randn(2, 1, 5, d, generator=g, dtype=dtype)
-    theta = torch.rand(2, 5, width // 2, generator=g, dtype=dtype) * 6
+def _probe_inputs(width, d=8):
+    """Small float32 CPU inputs (explicitly on the CPU: a default device set
+    by the caller must not move them)."""
+    g = torch.Generator(device="cpu").manual_seed(width)
+    kw = dict(generator=g, dtype=torch.float32, device="cpu")
+    q = torch.randn(2, 3, 5, d, **kw)
+    k = torch.randn(2, 1, 5, d, **kw)
+    theta = torch.rand(2, 5, width // 2, **kw) * 6
     cos, sin = torch.cat([theta.cos()] * 2, -1), torch.cat([theta.sin()] * 2, -1)
     return q, k, cos, sin
 
@@ -142,24 +145,28 @@ def _probe_inputs(width, d=8, dtype=torch.float64):
 def _expected(q, k, cos, sin):
     """The drop-in's meaning: NeoX pairs over the first cos.shape[-1] channels."""
     r = cos.shape[-1]
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    c, s = cos.unsqueeze(1).double(), sin.unsqueeze(1).double()
     out = []
-    for t in (q, k):
+    for t in (q.double(), k.double()):
         rot, rest = t[..., :r], t[..., r:]
         out.append(torch.cat([rot * c + _rotate_half(rot) * s, rest], -1))
     return out
 
 
 def _agrees(fn, width) -> bool:
-    q, k, cos, sin = _probe_inputs(width)
+    """Whether ``fn(q, k, cos, sin)`` gives the drop-in's result on a probe,
+    to fp32 rounding (models that compute in fp32 or in place qualify; a
+    different pairing, direction or scaling is off by O(1))."""
     try:
-        got = fn(q, k, cos, sin)
+        q, k, cos, sin = _probe_inputs(width)
+        want = _expected(q, k, cos, sin)
+        got = fn(q.clone(), k.clone(), cos.clone(), sin.clone())
+        return (isinstance(got, (tuple, list)) and len(got) == 2
+                and all(isinstance(g, torch.Tensor) and g.shape == w.shape
+                        and torch.allclose(g.detach().double().cpu(), w, rtol=1e-5, atol=1e-6)
+                        for g, w in zip(got, want)))
     except Exception:
         return False
-    want = _expected(q, k, cos, sin)
-    return (isinstance(got, (tuple, list)) and len(got) == 2
-            and all(isinstance(g, torch.Tensor) and g.shape == w.shape
-                    and torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got, want)))
 
 
 def _formula(fn):

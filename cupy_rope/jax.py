@@ -118,7 +118,7 @@ def _static_sections(sections, sections_interleaved):
 def _to_jax(v, name):
     """``v`` as a JAX array. Host integer arrays whose values JAX would
     narrow to int32 (jax_enable_x64 off) are refused rather than wrapped."""
-    if not isinstance(v, jax.Array):
+    if isinstance(v, (np.ndarray, np.generic, list, tuple, int)):  # host values
         a = np.asarray(v)
         if (a.dtype.kind in "iu" and a.dtype.itemsize > 4 and a.size
                 and not jax.config.jax_enable_x64

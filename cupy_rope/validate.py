@@ -216,6 +216,11 @@ def _check_head_dim(d: int, name: str, on_gpu: bool) -> None:
         raise ValueError(f"{name}: head_dim (last axis) must be <= {MAX_HEAD_DIM}, got {d}")
 
 
+#: Angles computed from inv_freq take positions p with |p| < 2**53, which
+#: fp64 holds exactly (kernels/angles.cuh: NaN beyond).
+MAX_COMPUTED_POSITION = 2**53
+
+
 def _host_values(t: Tensor) -> Optional[np.ndarray]:
     """Values of a host array (NumPy, CPU torch), else None."""
     if t.on_gpu:
@@ -608,10 +613,11 @@ def check_call(x=None, cos=None, sin=None, *, k=None, qkv=None, inv_freq=None, f
             if big >= 2**62:
                 raise ValueError(f"{n}: expected values below 2**62 in magnitude, got {big}")
 
-    # Positions the host can see are checked against the table here; device
-    # positions cannot be (that would need a sync): the kernel then writes NaN
-    # for any position outside the table instead of reading out of bounds.
-    if source != "inv_freq" and call.tokens > 0:
+    # Positions the host can see are checked against the table (computed
+    # angles: against the range where fp64 holds them exactly) here; device
+    # positions cannot be (that would need a sync): the kernel then writes
+    # NaN for any position outside it instead of reading out of bounds.
+    if call.tokens > 0:
         if pos_mode == IMPLIED and off_t is None:
             lo, hi = offset, (seqlen * cp_size - 1) + offset
         else:
@@ -619,7 +625,14 @@ def check_call(x=None, cos=None, sin=None, *, k=None, qkv=None, inv_freq=None, f
             lo = hi = None
             if pos is not None and pos.size:
                 lo, hi = int(pos.min()), int(pos.max())
-        if lo is not None and (lo < 0 or hi >= max_position):
+        if lo is None:
+            pass
+        elif source == "inv_freq":
+            if lo <= -MAX_COMPUTED_POSITION or hi >= MAX_COMPUTED_POSITION:
+                raise ValueError(f"positions: angles computed from inv_freq take positions "
+                                 f"below 2**53 in magnitude, but positions reach "
+                                 f"{hi if hi >= MAX_COMPUTED_POSITION else lo}")
+        elif lo < 0 or hi >= max_position:
             raise ValueError(f"{src_name}: the table has {max_position} rows (positions "
                              f"0..{max_position - 1}) but positions reach {lo if lo < 0 else hi}")
 

@@ -111,6 +111,8 @@ CASES = [
     ("offsets past 2**62", lambda a: R(a["x"], a["cos"], a["sin"], positions=np.array([0, 1, 2, 3]),
                                         offsets=np.array([2**62, 0])),
      ValueError, "offsets: expected values below 2**62 in magnitude"),
+    ("computed angles past 2**53", lambda a: R(a["x"], inv_freq=a["inv"], offsets=2**53 - 2),
+     ValueError, "positions: angles computed from inv_freq take positions below 2**53"),
     ("bound: no angle source", lambda a: cupy_rope.RotaryEmbedding(layout="thd"), ValueError,
      "RotaryEmbedding: give an angle source"),
     ("bound qk tokens", lambda a: cupy_rope.RotaryEmbedding(inv_freq=a["inv"]).qk(a["q"], a["k"][:, :3]),

@@ -398,3 +398,30 @@ def test_bound_fast_path_checks_offsets_overlap_and_each_objects_tables(rng, mon
         want = want_of(sin, cos, None)
         assert torch.equal(q, want[0]) and torch.equal(k, want[1])
 
+
+
+def test_torch_version_counters_bumped_on_every_path(rng):
+    """Writes into the caller's torch tensors bump their version counters on
+    the general path, the cached plan, the functional fast launcher and
+    RotaryEmbedding.qk_'s own launcher alike (three calls each)."""
+    torch = pytest.importorskip("torch")
+    api.clear_plans()
+    cos, sin = (to_device(t, "torch") for t in angles())
+    x = rand(rng, (2, 8, 3, D), "float32", "torch")
+    out = torch.empty_like(x)
+    q, k = rand(rng, (5, 4, D), "bfloat16", "torch"), rand(rng, (5, 2, D), "bfloat16", "torch")
+    pos = torch.arange(5, device="cuda")
+    rope = cupy_rope.RotaryEmbedding(cos, sin, layout="thd")
+    calls = [
+        (lambda: cupy_rope.apply_rope(x, cos, sin, inplace=True), (x,)),
+        (lambda: cupy_rope.apply_rope(x, cos, sin, out=out), (out,)),
+        (lambda: cupy_rope.apply_rope_qk(q, k, cos, sin, positions=pos, layout="thd",
+                                         inplace=True), (q, k)),
+        (lambda: rope.qk_(q, k, pos), (q, k)),
+    ]
+    for call, written in calls:
+        for _ in range(3):
+            before = [t._version for t in written]
+            call()
+            assert all(t._version > v for t, v in zip(written, before))
+    assert cos._version == 0 and sin._version == 0 and pos._version == 0

@@ -112,3 +112,31 @@ def test_formula_probe():
     assert crhf._formula(modeling_phi3.apply_rotary_pos_emb) == (True, True)
     assert crhf._formula(modeling_cohere.apply_rotary_pos_emb) == (False, False)
     assert crhf._formula(lambda tensor, sin, cos: tensor) == (False, False)
+
+
+def test_formula_probe_takes_fp32_and_in_place_functions():
+    """Functions that compute in fp32 (ModernBERT) or rotate their inputs in
+    place are the formula too; the probe does not follow a default device."""
+    from transformers.models.llama import modeling_llama
+
+    def fp32(q, k, cos, sin, unsqueeze_dim=1):
+        qf, kf = modeling_llama.apply_rotary_pos_emb(q.float(), k.float(), cos, sin, unsqueeze_dim)
+        return qf.to(q.dtype), kf.to(k.dtype)
+
+    def in_place(q, k, cos, sin, unsqueeze_dim=1):
+        qo, ko = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+        q.copy_(qo)
+        k.copy_(ko)
+        return q, k
+
+    def other_direction(q, k, cos, sin, unsqueeze_dim=1):
+        return modeling_llama.apply_rotary_pos_emb(q, k, cos, -sin, unsqueeze_dim)
+
+    assert crhf._formula(fp32) == (True, False)
+    assert crhf._formula(in_place) == (True, False)
+    assert crhf._formula(other_direction) == (False, False)
+    modeling = pytest.importorskip("transformers.models.modernbert.modeling_modernbert")
+    assert crhf._formula(modeling.apply_rotary_pos_emb)[0]
+    with torch.device("meta"):
+        crhf._FORMULAS.pop(modeling_llama.apply_rotary_pos_emb, None)
+        assert crhf._formula(modeling_llama.apply_rotary_pos_emb) == (True, False)

@@ -395,3 +395,21 @@ def test_host_int64_positions_beyond_int32_refused():
     x = randn(23, (1, 4, 2, 64), "float32")
     with pytest.raises(ValueError, match="positions: values reach 4294967299, beyond int32"):
         crj.rope(x, inv_freq=t["inv_freq"], positions=np.full((1, 4), 2**32 + 3, np.int64))
+
+
+def test_scalar_offsets_array_sbhd_and_thd_and_cupy_tables():
+    """0-d offsets broadcast over sbhd's batch and thd's sequences; tables
+    given as CuPy arrays (through __cuda_array_interface__) are accepted."""
+    cupy = pytest.importorskip("cupy")
+    t = tables(64)
+    x = randn(24, (2, 6, 3, 64), "float32")
+    want = ref_rope(x, t["cos"], t["sin"], offsets=jnp.full((2,), 4))
+    off = jnp.asarray(4, jnp.int32)
+    got = crj.rope(jnp.transpose(x, (1, 0, 2, 3)), t["cos"], t["sin"], layout="sbhd", offsets=off)
+    assert_close(np.asarray(jnp.transpose(got, (1, 0, 2, 3))), np.asarray(want), "float32", "sbhd")
+    got = crj.rope(x.reshape(12, 3, 64), t["cos"], t["sin"], layout="thd", offsets=off,
+                   cu_seqlens=jnp.array([0, 6, 12], jnp.int32))
+    assert_close(np.asarray(got).reshape(x.shape), np.asarray(want), "float32", "thd")
+    cos, sin = cupy.asarray(np.asarray(t["cos"])), cupy.asarray(np.asarray(t["sin"]))
+    got = crj.rope(x, cos, sin, offsets=off)
+    assert_close(np.asarray(got), np.asarray(want), "float32", "CuPy tables")

@@ -328,6 +328,22 @@ def test_positions_past_2_24_computed_angles(rng, how, interleaved):
     assert err <= ANGLE_ERROR_BOUND
 
 
+def test_computed_angles_past_2_53_give_nan_or_are_refused(rng):
+    """Device positions fp64 cannot hold give NaN (not a rounded angle);
+    host-visible ones are refused, on the cached path too."""
+    d = 32
+    inv_freq = to_device((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
+    x = rng.standard_normal((1, 4, 2, d)).astype(np.float32)
+    pos = np.array([[2**53, -(2**53), 2**53 - 1, 5]], np.int64)
+    got = to_host(cupy_rope.apply_rope(to_device(x), inv_freq=inv_freq, positions=to_device(pos)))
+    assert np.isnan(got[0, :2]).all() and np.isfinite(got[0, 2:]).all()
+    xd = to_device(x)
+    cupy_rope.apply_rope(xd, inv_freq=inv_freq, offsets=2**53 - 4)  # positions up to 2^53 - 1
+    for offset in (2**53 - 3, -(2**53)):
+        with pytest.raises(ValueError, match="below 2\\*\\*53"):
+            cupy_rope.apply_rope(xd, inv_freq=inv_freq, offsets=offset)
+
+
 @pytest.mark.parametrize("head_dim,heads", [(2, 1), (4, 1), (8, 1), (16, 3), (8, 200)])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 def test_tiny_head_dims(rng, head_dim, heads, interleaved):
