@@ -64,8 +64,9 @@ Limits: the callback holds the GIL while it checks arguments and launches
 (host time per op, on XLA's dispatching thread); it is not marked
 ``command_buffer_compatible`` (XLA would record the launch once into a CUDA
 graph and replay it with the first call's pointers), so XLA runs it outside
-its command buffers; ``jax.vmap`` is not supported (batch by adding a batch
-axis instead); forward-mode differentiation (``jax.jvp``) is not supported
+its command buffers; under ``jax.vmap`` each op runs once per mapped
+element (a loop of launches: for speed, fold the mapped axis into the
+batch axis instead); forward-mode differentiation (``jax.jvp``) is not supported
 (``custom_vjp``); a single device per call (no sharding rule). CPU arrays run
 the library's float64 NumPy reference inside the callback.
 """
@@ -264,6 +265,13 @@ def _callback(op: str, static: _Static, backward: bool):
     return callback
 
 
+def _kernel_op(callback, result):
+    """The XLA op of ``callback``. Under ``jax.vmap`` it runs once per mapped
+    element (``vmap_method="sequential"``): correct for any batching of its
+    arguments, one launch per element."""
+    return buffer_callback(callback, result, vmap_method="sequential")
+
+
 def _flag(v, name):
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
@@ -276,7 +284,7 @@ def _spec(a):
 
 # ---------------------------------------------------------------------- rope --
 def _rope_impl(static, backward, x, arrays):
-    return buffer_callback(_callback("rope", static, backward), _spec(x))(x, *arrays)
+    return _kernel_op(_callback("rope", static, backward), _spec(x))(x, *arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -320,7 +328,7 @@ def rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, of
 
 # ------------------------------------------------------------------- q and k --
 def _rope_qk_impl(static, backward, q, k, arrays):
-    return tuple(buffer_callback(_callback("rope_qk", static, backward),
+    return tuple(_kernel_op(_callback("rope_qk", static, backward),
                                  (_spec(q), _spec(k)))(q, k, *arrays))
 
 
@@ -373,7 +381,7 @@ def _qkv_impl(static, qkv, arrays, hq, hk, head_dim, layout):
     outs = (jax.ShapeDtypeStruct(tokens + (hq, d), qkv.dtype),
             jax.ShapeDtypeStruct(tokens + (hk, d), qkv.dtype),
             jax.ShapeDtypeStruct(tokens + (hk, d), qkv.dtype))
-    return tuple(buffer_callback(_callback("rope_qkv", static, False), outs)(qkv, *arrays))
+    return tuple(_kernel_op(_callback("rope_qkv", static, False), outs)(qkv, *arrays))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -398,7 +406,7 @@ _rope_qkv.defvjp(_rope_qkv_fwd, _rope_qkv_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _rope_qkv_backward(static, bwd_static, geometry, dq, dk, dv, arrays):
     out = jax.ShapeDtypeStruct(geometry[4], dq.dtype)
-    return buffer_callback(_callback("rope_qkv_backward", bwd_static, True), out)(
+    return _kernel_op(_callback("rope_qkv_backward", bwd_static, True), out)(
         dq, dk, dv, *arrays)
 
 
