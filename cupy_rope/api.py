@@ -272,7 +272,8 @@ def option_kwargs(kw: dict, layout="bshd", interleaved=False, rotary_dim=None, h
     framework adapters build library calls with it); returns ``kw``."""
     if layout != "bshd":
         kw["layout"] = layout
-    for flag, name in ((interleaved, "interleaved"), (sections_interleaved, "sections_interleaved")):
+    for flag, name in ((interleaved, "interleaved"),
+                       (sections_interleaved, "sections_interleaved")):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if interleaved:

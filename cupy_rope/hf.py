@@ -193,8 +193,9 @@ _FORMULAS: dict = {}
 def _drop_in_for(orig, partial):
     """``apply_rotary_pos_emb`` for a module whose own function is ``orig``
     (the Llama formula): the kernel where the call fits, else ``orig``."""
-    takes_unsqueeze = "unsqueeze_dim" in inspect.signature(orig).parameters
-    positional_unsqueeze = list(inspect.signature(orig).parameters)[4:5] == ["unsqueeze_dim"]
+    names = list(inspect.signature(orig).parameters)
+    takes_unsqueeze = "unsqueeze_dim" in names
+    positional_unsqueeze = names[4:5] == ["unsqueeze_dim"]
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         unsqueeze_dim = 1

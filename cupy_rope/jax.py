@@ -122,11 +122,12 @@ def _to_jax(v, name):
     if isinstance(v, (np.ndarray, np.generic, list, tuple, int)):  # host values
         a = np.asarray(v)
         if (a.dtype.kind in "iu" and a.dtype.itemsize > 4 and a.size
-                and not jax.config.jax_enable_x64
-                and (int(a.min()) < -2**31 or int(a.max()) >= 2**31)):
-            raise ValueError(f"{name}: values reach {int(a.max()) if a.max() >= 2**31 else int(a.min())}, "
-                             "beyond int32, and JAX without jax_enable_x64 would narrow them "
-                             "to int32; enable x64 (jax.config.update('jax_enable_x64', True))")
+                and not jax.config.jax_enable_x64):
+            lo, hi = int(a.min()), int(a.max())
+            if lo < -2**31 or hi >= 2**31:
+                raise ValueError(f"{name}: values reach {hi if hi >= 2**31 else lo}, beyond "
+                                 "int32, and JAX without jax_enable_x64 would narrow them to "
+                                 "int32; enable x64 (jax.config.update('jax_enable_x64', True))")
     return jnp.asarray(v)
 
 

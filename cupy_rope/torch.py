@@ -362,21 +362,14 @@ _rope_qkv_backward_op.register_autograd(_rope_qkv_backward_grad,
 def _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens, layout,
              interleaved, rotary_dim, head_dim, cp_size, cp_rank) -> tuple:
     """The common positional op arguments from the public keyword arguments,
-    checked as the array API checks them (an int is an int, a bool a bool),
-    and refusing angle tensors that ask for a gradient: the kernels give
-    none for them (the angles are constants), and a silent zero would train
-    learnable frequencies wrongly."""
+    checked by the array API's own rules before they meet the op's schema
+    (an int is an int, a bool a bool), and refusing angle tensors that ask
+    for a gradient: the kernels give none for them (the angles are
+    constants), and a silent zero would train learnable frequencies wrongly."""
     offset = 0
     if offsets is not None and not isinstance(offsets, Tensor):
-        if isinstance(offsets, bool):
-            raise TypeError("offsets: expected an int or an int32/int64 tensor, got bool")
         offsets, offset = None, _as_int(offsets, "offsets")
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
-    if rotary_dim is not None:
-        rotary_dim = _as_int(rotary_dim, "rotary_dim")
-    if head_dim is not None:
-        head_dim = _as_int(head_dim, "head_dim")
+    options = api.option_kwargs({}, layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
     if torch.is_grad_enabled():
         for name, t in zip(_TABLE_ARGS, (cos, sin, inv_freq, freqs, cos_sin_cache)):
             if isinstance(t, Tensor) and t.requires_grad:
@@ -384,8 +377,8 @@ def _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_se
                                  "the angles (they are constants here); pass it detached, or "
                                  "rotate with torch operations where the angles must learn")
     return (cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens, offset,
-            layout, interleaved, rotary_dim, head_dim, _as_int(cp_size, "cp_size"),
-            _as_int(cp_rank, "cp_rank"))
+            layout, interleaved, options.get("rotary_dim"), options.get("head_dim"),
+            options.get("cp_size", 1), options.get("cp_rank", 0))
 
 
 _TABLE_ARGS = ("cos", "sin", "inv_freq", "freqs", "cos_sin_cache")

@@ -370,6 +370,25 @@ def _sections(sections, interleaved, rotary_dim: int):
     return sections
 
 
+#: Positions and offsets stay below this in magnitude, so that no position
+#: plus offset wraps around in int64, on the host or in the kernel.
+MAX_INDEX = 2**62
+
+
+def _below_max_index(v, name: str) -> None:
+    """An int offset, or the values of a host array (device arrays cannot be
+    read without a sync), below MAX_INDEX in magnitude."""
+    if not isinstance(v, Tensor):
+        if abs(v) >= MAX_INDEX:
+            raise ValueError(f"{name}: expected |{name}| < 2**62, got {v}")
+        return
+    values = _host_values(v)
+    if values is not None and values.size:
+        big = max(-int(values.min()), int(values.max()))
+        if big >= MAX_INDEX:
+            raise ValueError(f"{name}: expected values below 2**62 in magnitude, got {big}")
+
+
 def _positions(call_shape, layout, positions, offsets, cu_seqlens, cp_size, cp_rank, device,
                n_axes=0):
     """pos_mode, positions, offsets (array), offset (int), cu_seqlens, n_seqs."""
@@ -403,6 +422,7 @@ def _positions(call_shape, layout, positions, offsets, cu_seqlens, cp_size, cp_r
         pos_t = describe(positions, "positions")
         _same_device(pos_t, device, "positions")
         _check_dtype(pos_t, "positions", INDEX_DTYPES)
+        _below_max_index(pos_t, "positions")
         want = ((seqlen,),) if layout == "thd" else ((seqlen,), (batch, seqlen))
         lead = (n_axes,) if n_axes else ()
         if pos_t.shape not in [lead + w for w in want]:
@@ -423,12 +443,12 @@ def _positions(call_shape, layout, positions, offsets, cu_seqlens, cp_size, cp_r
             raise TypeError("offsets: expected an int or an int32/int64 array, got bool")
         if isinstance(offsets, (int, np.integer)):
             offset = int(offsets)
-            if abs(offset) >= 2**62:
-                raise ValueError(f"offsets: expected |offsets| < 2**62, got {offset}")
+            _below_max_index(offset, "offsets")
         else:
             off_t = describe(offsets, "offsets")
             _same_device(off_t, device, "offsets")
             _check_dtype(off_t, "offsets", INDEX_DTYPES)
+            _below_max_index(off_t, "offsets")
             if layout == "thd":
                 if cu_t is None:
                     raise ValueError("offsets: an offsets array with layout 'thd' needs "
@@ -596,22 +616,13 @@ def check_call(x=None, cos=None, sin=None, *, k=None, qkv=None, inv_freq=None, f
                             [(s.x, "d" + s.name) for s in slabs])
     elif out is not None:  # qkv forward into the given out_q, out_k, out_v
         for s in slabs:
-            _check_writable(s.out, "out_" + s.name, read_only)
+            _check_writable(s.out, "out_" + s.name, read_only + [(s.x, "qkv")] +
+                            [(o.out, "out_" + o.name) for o in slabs if o is not s])
 
     call = Call(layout, batch, seqlen, d, rotary_dim, interleaved, backward, inplace,
                 tuple(slabs), dtype, device, source, tables, table_offsets, max_position,
                 pos_mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank, sections,
                 sections_interleaved)
-
-    # Host arrays of positions and offsets stay below 2**62 in magnitude (as
-    # an int offset does), so that no position plus offset wraps around in
-    # int64, here or in the kernel.
-    for t, n in ((pos_t, "positions"), (off_t, "offsets")):
-        v = _host_values(t) if t is not None else None
-        if v is not None and v.size:
-            big = max(-int(v.min()), int(v.max()))
-            if big >= 2**62:
-                raise ValueError(f"{n}: expected values below 2**62 in magnitude, got {big}")
 
     # Positions the host can see are checked against the table (computed
     # angles: against the range where fp64 holds them exactly) here; device
@@ -808,15 +819,8 @@ def _qkv_slabs(qkv, grads, out, layout, head_dim, num_q_heads, num_kv_heads, pac
         if out is not None:  # (out_q, out_k, out_v)
             tok = packed.shape[:n_tok]
             for i, (o, n) in enumerate(zip(out, ("out_q", "out_k", "out_v"))):
-                ot = describe(o, n)
+                ot = describe(o, n)  # written: checked by check_call (_check_writable)
                 _check_out(ot, n, tuple(tok) + (heads[i], d_), dtype, device)
-                if ot.self_overlapping():
-                    raise ValueError(f"{n}: has elements that share memory (stride 0 or "
-                                     "overlapping strides); cannot be written")
-                for other, on in [(packed, "qkv")] + [(sl.out, "out_" + sl.name)
-                                                      for sl in slabs if sl.out is not None]:
-                    if not disjoint(ot, other):
-                        raise ValueError(f"{n}: overlaps {on}; outputs must be separate arrays")
                 st5 = head_view(ot, n, layout, None)[4]
                 slabs[i] = slabs[i]._replace(out=ot, out_strides=st5)
         return slabs, b_, s_, d_, dtype, device

@@ -82,12 +82,13 @@ __device__ __forceinline__ bool fp32_exact(i64 pos) {
 // The reduction for positions beyond that (a context of 16M tokens and
 // more, or a packed thd call that long): in fp64 from the int64 position,
 // exact for |pos| < 2^53; positions from 2^53 on (not exact in fp64) give
-// NaN, as positions outside a table do (the host refuses those it sees). hi + lo = pos * f exactly (f has 24 bits);
-// hi - k * D1 rounds once, below 8 in magnitude; 2pi - D1 - D2 is below
-// 1e-32, so k * that stays below 1e-16 for |k| < 2^53: the result is within
-// a few fp64 ulps of the reduced angle before its rounding to fp32. Out of
-// line and behind a branch the common path skips, so that the fp32 path
-// keeps its registers and schedule (results/h100-2026-11-24q/).
+// NaN, as positions outside a table do (the host refuses those it sees,
+// validate.MAX_COMPUTED_POSITION). hi + lo = pos * f exactly (f has 24
+// bits); hi - k * D1 rounds once, below 8 in magnitude; 2pi - D1 - D2 is
+// below 1e-32, so k * that stays below 1e-16 for |k| < 2^53: the result is
+// within a few fp64 ulps of the reduced angle before its rounding to fp32.
+// Out of line and behind a branch the common path skips, so that the fp32
+// path keeps its registers and schedule (results/h100-2026-11-24q/).
 __device__ __noinline__ float reduced_angle_wide(i64 pos, float f) {
   constexpr double D1 = 6.283185307179586232;      // fl64(2 pi)
   constexpr double D2 = 2.4492935982947064e-16;    // fl64(2 pi - D1)
