@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conftest import np_dtype
+from helpers import np_dtype
 
 
 def cupy_bf16_ok() -> bool:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from conftest import assert_close, np_dtype, oracle
+from helpers import assert_close, np_dtype, oracle
 from gpu_util import bits, full_nan, to_device, to_host
 
 pytestmark = pytest.mark.gpu

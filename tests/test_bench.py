@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-from cupy_rope import bench, peers
+from benchmarks import bench, peers
 
 # ----------------------------------------------------------------------------
 # Workload definitions.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from conftest import np_dtype
+from helpers import np_dtype
 from gpu_util import bits, to_device, to_host
 
 pytestmark = pytest.mark.gpu

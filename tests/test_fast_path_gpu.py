@@ -13,7 +13,7 @@ import pytest
 
 import cupy_rope
 from cupy_rope import api
-from conftest import np_dtype
+from helpers import np_dtype
 from gpu_util import bits, to_device, to_host
 
 pytestmark = pytest.mark.gpu

@@ -541,7 +541,7 @@ def test_cos_sin_cache_gpu_matches_cpu():
 def test_proportional_through_kernels(rng, source, dtype):
     """Gemma 4's proportional frequencies rotate the whole head: the pairs of
     frequency 0 come out bit for bit as they went in, the others as the reference."""
-    from conftest import assert_close, np_dtype, oracle
+    from helpers import assert_close, np_dtype, oracle
     from gpu_util import bits, to_device, to_host
 
     import cupy_rope

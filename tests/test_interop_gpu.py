@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from conftest import assert_close, np_dtype, oracle
+from helpers import assert_close, np_dtype, oracle
 from gpu_util import bits, to_device, to_host
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from conftest import assert_close  # noqa: E402
+from helpers import assert_close  # noqa: E402
 
 crj = pytest.importorskip("cupy_rope.jax")
 

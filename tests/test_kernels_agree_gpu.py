@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from conftest import assert_close, np_dtype, oracle
+from helpers import assert_close, np_dtype, oracle
 from cupy_rope import api, launch
 from gpu_util import angle_sources, bits, fresh_plans, full_nan, to_device, to_host
 

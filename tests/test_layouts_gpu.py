@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from conftest import assert_close, np_dtype
+from helpers import assert_close, np_dtype
 from cupy_rope import reference
 from gpu_util import bits, full_nan, to_device, to_host
 

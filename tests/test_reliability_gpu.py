@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cupy_rope  # noqa: E402
-from conftest import assert_close, np_dtype  # noqa: E402
+from helpers import assert_close, np_dtype  # noqa: E402
 from cupy_rope import reference, specialize  # noqa: E402
 from gpu_util import bits, fresh_plans, to_device, to_host  # noqa: E402
 

@@ -10,7 +10,7 @@ import pytest
 
 import cupy_rope
 from cupy_rope import reference
-from conftest import assert_close, np_dtype, oracle
+from helpers import assert_close, np_dtype, oracle
 from gpu_util import angle_sources, bits, full_nan, to_device, to_host
 
 pytestmark = pytest.mark.gpu

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cupy_rope  # noqa: E402
-from conftest import assert_close  # noqa: E402
+from helpers import assert_close  # noqa: E402
 
 crt = pytest.importorskip("cupy_rope.torch")
 

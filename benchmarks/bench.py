@@ -1,6 +1,6 @@
 """Benchmark: cupy-rope against a device copy of the same bytes and against peer implementations.
 
-``python -m cupy_rope.bench [--workloads A,B] [--filter REGEX] [--peers LIST]
+``python -m benchmarks.bench [--workloads A,B] [--filter REGEX] [--peers LIST]
 [--json FILE] [--plot FILE.png] [--reps N] [--sets N] [--no-host] [--no-check]
 [--strict] [--list]``; importable as ``run(...)``.
 
@@ -573,7 +573,7 @@ def prepare_ours(w: Workload, ctx: Context, env: _Env, positions: bool = False):
     cu_seqlens."""
     import cupy_rope as cr
 
-    from .peers import Prepared
+    from benchmarks.peers import Prepared
 
     r = w.rotary_dim
     cos, sin = ctx.cos_half, ctx.sin_half
@@ -793,7 +793,7 @@ def run(workloads=None, *, peers="all", reps=30, n_sets=3, warmup=5, check=True,
     """
     import cupy
 
-    from . import peers as peers_mod
+    from benchmarks import peers as peers_mod
 
     if workloads is None:
         workloads = WORKLOADS
@@ -896,7 +896,7 @@ def _bare_launch(rope):
     bound call. None when rope has no cached launcher."""
     from cupy.cuda import driver
 
-    from . import launch
+    from cupy_rope import launch
 
     go = next(iter(rope._fast.values()), None) if rope._fast else None
     plan = getattr(go, "plan", None)

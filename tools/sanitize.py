@@ -1,6 +1,6 @@
 """Every kernel path on small inputs, for compute-sanitizer (issue 7).
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/sanitize.py [NAME ...]
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tools/sanitize.py [NAME ...]
 
 (NAME: run only the cases whose function name contains it.)
 
@@ -13,7 +13,7 @@ dtype, cos|sin cache, inv_freq, angle table), both pair styles, partial
 rotary in and out of place, strided / unaligned / transposed views, q+k with
 GQA, decode head groups, fused QKV forward and backward, positions outside
 the table (NaN, never an out-of-bounds read) and empty inputs.
-scripts/gpu_suite.sh runs it under memcheck, racecheck and initcheck.
+tools/gpu_suite.sh runs it under memcheck, racecheck and initcheck.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Host cost of the pieces of a cached decode call, against bare launches (GPU machine).
 
-    python scripts/launch_cost.py [--streams | --rounds]
+    python -m benchmarks.launch_cost [--streams | --rounds]
 
 Prints microseconds per call of: the whole call, reading torch tensor
 attributes, CuPy's driver.launchKernel with our Params and with an empty
@@ -87,7 +87,7 @@ def rounds_rows():
     costs beyond its Python plus a bare full-grid launch."""
     from cupy.cuda import driver
 
-    from cupy_rope import bench
+    from benchmarks import bench
 
     for fw in ("torch", "cupy"):
         arrays = (q, k, cache, pos)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU test suite plus the benchmark, in one call on the GPU machine:
-#   bash scripts/gpu_suite.sh            (logs under $OUT, or ./gpu-logs)
+#   bash tools/gpu_suite.sh            (logs under $OUT, or ./gpu-logs)
 # Runs from the work tree against the preinstalled packages (no install of
 # cupy-rope itself). Wheels carried in .whl/ (e.g. Liger, a benchmark peer)
 # are installed to /tmp/site first. Environment knobs: GPU_TEST_WORKERS,
@@ -34,12 +34,12 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -30
 fi
 if [ -z "${SKIP_SANITIZE:-}" ]; then
-  # Every kernel path (scripts/sanitize.py, checked against float64 as it
+  # Every kernel path (tools/sanitize.py, checked against float64 as it
   # runs) under compute-sanitizer; a tool's summary must say 0 errors.
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
     timeout "${SANITIZE_TIMEOUT:-300}" "$sanitizer" --tool "$tool" --error-exitcode 1 \
-      $PY scripts/sanitize.py > "$OUT/sanitize-$tool.log" 2>&1
+      $PY tools/sanitize.py > "$OUT/sanitize-$tool.log" 2>&1
     rc=$?
     [ $rc = 0 ] || status=1
     echo "compute-sanitizer $tool: exit $rc"
@@ -47,7 +47,7 @@ if [ -z "${SKIP_SANITIZE:-}" ]; then
   done
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-240}" $PY -m cupy_rope.bench --json "$OUT/bench.json" \
+  timeout "${BENCH_TIMEOUT:-240}" $PY -m benchmarks.bench --json "$OUT/bench.json" \
     --plot "$OUT/bench.png" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   [ $? = 0 ] || status=1
   tail -60 "$OUT/bench.log"

@@ -1,0 +1,1 @@
+"""Benchmark harness (outside the installed package): python -m benchmarks.bench."""
