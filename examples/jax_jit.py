@@ -9,8 +9,11 @@ import sys
 
 import numpy as np
 
-import jax
-import jax.numpy as jnp
+try:
+    import jax
+    import jax.numpy as jnp
+except ModuleNotFoundError:
+    sys.exit("this example needs JAX with CUDA: pip install 'cupy-rope[jax]'")
 
 if jax.default_backend() != "gpu":
     print("no GPU backend for JAX: nothing to run")
