@@ -1,38 +1,62 @@
 """cupy-rope quickstart: rotate q and k of an attention layer.
 
-Runs on a CUDA GPU with CuPy (and torch, if installed); without a GPU it runs
-the same call on NumPy arrays through the float64 reference.
+The first part runs anywhere: NumPy arrays take the float64 reference path on
+the CPU. On a machine with a CUDA GPU the same calls then run on CuPy arrays
+(and torch tensors, if torch is installed) and are compared with it.
 """
 
 import numpy as np
 
 import cupy_rope
+from cupy_rope.frequencies import cos_sin_cache, rope_frequencies
 
-batch, seqlen, heads, head_dim = 2, 16, 8, 128
-inv_freq = (1.0 / 10000 ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
-theta = np.arange(4096)[:, None] * inv_freq
-cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
-q = np.random.default_rng(0).standard_normal((batch, seqlen, heads, head_dim)).astype(np.float32)
+batch, seqlen, heads, kv_heads, head_dim = 2, 16, 8, 2, 128
+inv_freq, factor = rope_frequencies(head_dim, rope_theta=10000.0)  # float32 [head_dim / 2]
+cos, sin = cos_sin_cache(inv_freq, 4096, factor)                    # float32 [4096, head_dim / 2]
+rng = np.random.default_rng(0)
+q = rng.standard_normal((batch, seqlen, heads, head_dim)).astype(np.float32)
+k = rng.standard_normal((batch, seqlen, kv_heads, head_dim)).astype(np.float32)
 
 # NumPy in, NumPy out: the float64 reference (no GPU needed).
 q_ref = cupy_rope.apply_rope(q, cos, sin)
 print("numpy reference:", q_ref.shape, q_ref.dtype)
+q_rot, k_rot = cupy_rope.apply_rope_qk(q, k, cos, sin)   # q and k (GQA) in one call
+dq = cupy_rope.apply_rope_backward(q_rot, cos, sin)      # the gradient: rotation by -theta
+print("backward(forward(q)) vs q:", float(np.abs(dq - q).max()))
 
-try:
+# Partial rotary: a model with partial_rotary_factor=0.25 rotates the first
+# r = 32 channels with frequencies base ** (-2f / r). Build them for r; the
+# first r/2 columns of the full-head table above hold other frequencies.
+inv_part, factor_part = rope_frequencies(head_dim, rope_theta=10000.0, partial_rotary_factor=0.25)
+cos_part, sin_part = cos_sin_cache(inv_part, 4096, factor_part)   # [4096, r / 2]
+q_part = cupy_rope.apply_rope(q, cos_part, sin_part)              # channels [r, d) unchanged
+assert np.array_equal(q_part[..., 32:], q[..., 32:])
+print("partial rotary: rotary_dim", 2 * inv_part.shape[0], "of", head_dim)
+
+
+def cuda_device() -> bool:
+    """Whether CuPy sees a CUDA device (False without CuPy, a driver or a GPU)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # ImportError, or CuPy's error for a missing driver or device
+        return False
+
+
+if not cuda_device():
+    print("no CUDA device found: ran the NumPy reference path only")
+else:
     import cupy
 
-    gpu = cupy.cuda.is_available()
-except ImportError:
-    gpu = False
-
-if gpu:
     # CuPy in, CuPy out, on CuPy's current stream.
-    q_gpu = cupy.asarray(q)
-    out = cupy_rope.apply_rope(q_gpu, cupy.asarray(cos), cupy.asarray(sin))
+    out = cupy_rope.apply_rope(cupy.asarray(q), cupy.asarray(cos), cupy.asarray(sin))
     print("cupy max |diff| vs reference:", float(abs(out.get() - q_ref).max()))
+    out = cupy_rope.apply_rope(cupy.asarray(q), cupy.asarray(cos_part), cupy.asarray(sin_part))
+    print("cupy partial rotary max |diff|:", float(abs(out.get() - q_part).max()))
 
-    # In place, angles computed in the kernel from inv_freq, decode offsets.
-    k_gpu = cupy.asarray(q)
+    # In place, angles computed in the kernel from inv_freq, decode offsets per sequence.
+    k_gpu = cupy.asarray(k)
     cupy_rope.apply_rope(k_gpu, inv_freq=cupy.asarray(inv_freq), inplace=True,
                          offsets=cupy.asarray([100, 7], dtype=cupy.int32))
 
@@ -48,5 +72,3 @@ if gpu:
         grad = cupy_rope.apply_rope_backward(rotated, cos_t, sin_t)  # rotation by -theta
         print("torch:", type(rotated).__name__, rotated.dtype,
               "round trip max |diff|:", (grad - qt.transpose(1, 2)).abs().max().item())
-else:
-    print("no CUDA device: ran the NumPy reference only")

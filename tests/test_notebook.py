@@ -84,3 +84,22 @@ def test_notebook_runs_on_the_gpu_path(tmp_path):
     assert "FAIL" not in out
     if importlib.util.find_spec("matplotlib") is not None:  # the notebook saved its plot
         assert (tmp_path / "tour_bench.png").stat().st_size > 0
+
+
+def test_first_cell_without_a_gpu_says_so_in_one_line(tmp_path):
+    """auto on a machine without a usable GPU (no CuPy, no driver or no device):
+    one line says so, no traceback, and the reference path is taken."""
+    from helpers import gpu_available
+
+    if gpu_available():
+        pytest.skip("a CUDA device is usable here")
+    first = next(c for c in load()["cells"] if c["cell_type"] == "code")
+    src = "".join(first["source"]) if isinstance(first["source"], list) else first["source"]
+    env = dict(os.environ, CUPY_ROPE_TOUR_DEVICE="auto")
+    proc = subprocess.run([sys.executable, "-c", src + "\nprint('TOUR_PATH=' + TOUR_PATH)"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    said = [line for line in proc.stdout.splitlines() if "CUDA device" in line]
+    assert len(said) == 1 and said[0].startswith("no CUDA device found"), proc.stdout
+    assert "TOUR_PATH=reference" in proc.stdout
