@@ -64,14 +64,18 @@ Schemes (``d`` below is ``rotary_dim``, ``theta`` is ``rope_theta``,
 The formulas follow Hugging Face transformers' rope initialization functions
 (5.x behaviour where versions differ: an explicit yarn ``factor`` is used as
 given, not replaced by the ratio of the context lengths).
+
+The argument reference (with the keys :func:`from_config` reads) is
+``docs/api.md``, section Frequencies.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -107,7 +111,6 @@ _DEFAULT_THETA = 10000.0
 
 # ---------------------------------------------------------------------------
 # argument checks
-
 
 
 def _positive_int(v, name: str) -> int:
@@ -176,6 +179,38 @@ def _merge(explicit, in_dict, name: str, default):
     return in_dict if in_dict is not None else default
 
 
+def _even_head_dim(head_dim) -> int:
+    head_dim = _positive_int(head_dim, "head_dim")
+    if head_dim % 2:
+        raise ValueError(f"head_dim: expected an even number of channels, got {head_dim}")
+    return head_dim
+
+
+def _theta_arg(rope_theta, params: Mapping) -> float:
+    theta = _positive_float(_merge(rope_theta, params.get("rope_theta"), "rope_theta", _DEFAULT_THETA),
+                            "rope_theta")
+    if theta == 1.0:
+        raise ValueError("rope_theta: expected a base != 1 (every frequency would be 1)")
+    return theta
+
+
+def _partial_factor_arg(partial_rotary_factor, params: Mapping) -> float:
+    prf = _as_float(_merge(partial_rotary_factor, params.get("partial_rotary_factor"),
+                           "partial_rotary_factor", 1.0), "partial_rotary_factor")
+    if not 0.0 < prf <= 1.0:
+        raise ValueError(f"partial_rotary_factor: expected a value in (0, 1], got {prf}")
+    return prf
+
+
+def _seq_len_arg(seq_len) -> Optional[int]:
+    if seq_len is None:
+        return None
+    seq_len = _as_int(seq_len, "seq_len")
+    if seq_len < 0:
+        raise ValueError(f"seq_len: expected an int >= 0, got {seq_len}")
+    return seq_len
+
+
 def _rotary_dim(head_dim: int, partial_rotary_factor: float) -> int:
     dim = int(head_dim * partial_rotary_factor)  # truncation, as Hugging Face does
     if dim < 2 or dim % 2:
@@ -188,6 +223,16 @@ def _rotary_dim(head_dim: int, partial_rotary_factor: float) -> int:
 # the schemes (all float64)
 
 
+class _Scheme(NamedTuple):
+    """The checked inputs of one scheme builder."""
+
+    params: Mapping  # the rope_scaling dict (empty for plain RoPE)
+    theta: float  # rope_theta
+    dim: int  # rotary_dim
+    max_position_embeddings: Optional[int]
+    seq_len: Optional[int]
+
+
 def _base_inv_freq(theta: float, dim: int) -> np.ndarray:
     """theta ** (-2f / dim), f in [0, dim/2)."""
     return 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
@@ -195,6 +240,10 @@ def _base_inv_freq(theta: float, dim: int) -> np.ndarray:
 
 def _mscale(scale: float, k: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+
+
+def _factor(params: Mapping, rope_type: str) -> float:
+    return _positive_float(_required(params, "factor", rope_type), "rope_scaling['factor']")
 
 
 def _original_max(params: Mapping, rope_type: str, max_position_embeddings) -> int:
@@ -208,29 +257,55 @@ def _original_max(params: Mapping, rope_type: str, max_position_embeddings) -> i
     return _config_int(value, "rope_scaling['original_max_position_embeddings']")
 
 
-def _yarn(params, theta, dim, max_position_embeddings):
-    factor = _required(params, "factor", "yarn")
-    orig = _original_max(params, "yarn", max_position_embeddings)
+def _default(s: _Scheme):
+    return _base_inv_freq(s.theta, s.dim), 1.0
+
+
+def _linear(s: _Scheme):
+    return _base_inv_freq(s.theta, s.dim) / _factor(s.params, "linear"), 1.0
+
+
+def _dynamic(s: _Scheme):
+    factor = _factor(s.params, "dynamic")
+    if s.max_position_embeddings is None:
+        raise ValueError("max_position_embeddings: the 'dynamic' scheme needs it, got None")
+    if s.dim == 2:
+        raise ValueError("partial_rotary_factor: the 'dynamic' scheme needs rotary_dim > 2 "
+                         "(its exponent is rotary_dim / (rotary_dim - 2)), got rotary_dim 2")
+    max_pos = s.max_position_embeddings
+    length = max_pos if s.seq_len is None else max(s.seq_len, max_pos)
+    scale = factor * length / max_pos - (factor - 1)
+    if scale <= 0:
+        raise ValueError(f"rope_scaling['factor']: the 'dynamic' scheme gives a base scale "
+                         f"{scale} <= 0 for factor {factor}")
+    return _base_inv_freq(s.theta * scale ** (s.dim / (s.dim - 2)), s.dim), 1.0
+
+
+def _yarn_factor(params: Mapping, orig: int, max_position_embeddings) -> float:
+    factor = params["factor"]
     if factor is None:  # DeepSeek-V3 style: the ratio of the context lengths
         if max_position_embeddings is None:
             raise ValueError("max_position_embeddings: the 'yarn' scheme with factor None needs it "
                              "(factor = max_position_embeddings / original_max_position_embeddings)")
         factor = max_position_embeddings / orig
-    factor = _positive_float(factor, "rope_scaling['factor']")
+    return _positive_float(factor, "rope_scaling['factor']")
 
+
+def _yarn_attention_factor(params: Mapping, factor: float) -> float:
     attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        mscale = params.get("mscale")
-        mscale_all_dim = params.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            mscale = _as_float(mscale, "rope_scaling['mscale']")
-            mscale_all_dim = _as_float(mscale_all_dim, "rope_scaling['mscale_all_dim']")
-            attention_factor = _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = _mscale(factor)
-    else:
-        attention_factor = _positive_float(attention_factor, "rope_scaling['attention_factor']")
+    if attention_factor is not None:
+        return _positive_float(attention_factor, "rope_scaling['attention_factor']")
+    mscale = params.get("mscale")
+    mscale_all_dim = params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:  # DeepSeek-V2/V3: the ratio of two mscales
+        mscale = _as_float(mscale, "rope_scaling['mscale']")
+        mscale_all_dim = _as_float(mscale_all_dim, "rope_scaling['mscale_all_dim']")
+        return _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
+    return _mscale(factor)
 
+
+def _yarn_ramp(params: Mapping, theta: float, dim: int, orig: int) -> np.ndarray:
+    """Per pair, 0 where the base frequency is kept, 1 where it is divided by factor."""
     # a zero or missing beta takes the paper's value, as in Hugging Face
     beta_fast = _positive_float(params.get("beta_fast") or 32, "rope_scaling['beta_fast']")
     beta_slow = _positive_float(params.get("beta_slow") or 1, "rope_scaling['beta_slow']")
@@ -248,16 +323,24 @@ def _yarn(params, theta, dim, max_position_embeddings):
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as in Hugging Face: avoid a zero-width ramp
+    return np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
 
-    base = _base_inv_freq(theta, dim)
-    # ramp 0 up to `low` (keep base: extrapolation), 1 from `high` on (base / factor)
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+
+def _yarn(s: _Scheme):
+    _required(s.params, "factor", "yarn")
+    orig = _original_max(s.params, "yarn", s.max_position_embeddings)
+    factor = _yarn_factor(s.params, orig, s.max_position_embeddings)
+    attention_factor = _yarn_attention_factor(s.params, factor)
+    ramp = _yarn_ramp(s.params, s.theta, s.dim, orig)
+    base = _base_inv_freq(s.theta, s.dim)
+    # ramp 0 keeps base (extrapolation), ramp 1 interpolates (base / factor)
     inv_freq = (base / factor) * ramp + base * (1.0 - ramp)
     return inv_freq, float(attention_factor)
 
 
-def _llama3(params, theta, dim, max_position_embeddings):
-    factor = _positive_float(_required(params, "factor", "llama3"), "rope_scaling['factor']")
+def _llama3(s: _Scheme):
+    params = s.params
+    factor = _factor(params, "llama3")
     low_ff = _positive_float(_required(params, "low_freq_factor", "llama3"),
                              "rope_scaling['low_freq_factor']")
     high_ff = _positive_float(_required(params, "high_freq_factor", "llama3"),
@@ -265,9 +348,9 @@ def _llama3(params, theta, dim, max_position_embeddings):
     if high_ff <= low_ff:
         raise ValueError(f"rope_scaling['high_freq_factor']: expected a value > low_freq_factor "
                          f"({low_ff}), got {high_ff}")
-    orig = _original_max(params, "llama3", max_position_embeddings)
+    orig = _original_max(params, "llama3", s.max_position_embeddings)
 
-    base = _base_inv_freq(theta, dim)
+    base = _base_inv_freq(s.theta, s.dim)
     wavelen = 2 * math.pi / base
     low_freq_wavelen = orig / low_ff
     high_freq_wavelen = orig / high_ff
@@ -295,28 +378,29 @@ def _factor_list(params, key: str, half: int) -> np.ndarray:
     return arr
 
 
-def _longrope(params, theta, dim, max_position_embeddings, seq_len):
-    half = dim // 2
-    short = _factor_list(params, "short_factor", half)
-    long = _factor_list(params, "long_factor", half)
-    orig = _original_max(params, "longrope", max_position_embeddings)
-
+def _longrope_attention_factor(params: Mapping, orig: int, max_position_embeddings) -> float:
     attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        factor = params.get("factor")
-        if factor is None:  # Phi-3: the ratio of the context lengths
-            if max_position_embeddings is None:
-                raise ValueError("max_position_embeddings: the 'longrope' scheme needs it to derive the "
-                                 "attention factor when rope_scaling has neither 'factor' nor "
-                                 "'attention_factor'")
-            factor = max_position_embeddings / orig
-        factor = _positive_float(factor, "rope_scaling['factor']")
-        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    else:
-        attention_factor = _positive_float(attention_factor, "rope_scaling['attention_factor']")
+    if attention_factor is not None:
+        return _positive_float(attention_factor, "rope_scaling['attention_factor']")
+    factor = params.get("factor")
+    if factor is None:  # Phi-3: the ratio of the context lengths
+        if max_position_embeddings is None:
+            raise ValueError("max_position_embeddings: the 'longrope' scheme needs it to derive the "
+                             "attention factor when rope_scaling has neither 'factor' nor "
+                             "'attention_factor'")
+        factor = max_position_embeddings / orig
+    factor = _positive_float(factor, "rope_scaling['factor']")
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
-    ext = long if (seq_len and seq_len > orig) else short
-    return _base_inv_freq(theta, dim) / ext, float(attention_factor)
+
+def _longrope(s: _Scheme):
+    half = s.dim // 2
+    short = _factor_list(s.params, "short_factor", half)
+    long = _factor_list(s.params, "long_factor", half)
+    orig = _original_max(s.params, "longrope", s.max_position_embeddings)
+    attention_factor = _longrope_attention_factor(s.params, orig, s.max_position_embeddings)
+    ext = long if (s.seq_len and s.seq_len > orig) else short
+    return _base_inv_freq(s.theta, s.dim) / ext, float(attention_factor)
 
 
 def _proportional(params, theta, head_dim, prf):
@@ -328,103 +412,83 @@ def _proportional(params, theta, head_dim, prf):
     return (inv_freq / factor).astype(np.float32)
 
 
+#: rope_type -> builder of (float64 inv_freq [rotary_dim / 2], attention factor);
+#: "proportional" spans the whole head and is built apart.
+_SCHEMES: Dict[str, Callable[[_Scheme], Tuple[np.ndarray, float]]] = {
+    "default": _default,
+    "linear": _linear,
+    "dynamic": _dynamic,
+    "yarn": _yarn,
+    "llama3": _llama3,
+    "longrope": _longrope,
+}
+
+
 def rope_frequencies(head_dim, rope_theta=None, rope_scaling=None, partial_rotary_factor=None,
                      max_position_embeddings=None, seq_len=None) -> Tuple[np.ndarray, float]:
     """``inv_freq`` and the attention factor of a RoPE scaling scheme.
 
-    Args:
-        head_dim: channels per head (even). Hugging Face derives it as
-            ``hidden_size // num_attention_heads`` where a config has no
-            ``head_dim``; for MLA models (DeepSeek-V2/V3) pass ``qk_rope_head_dim``.
-        rope_theta: the base (default 10000.0, or ``rope_scaling['rope_theta']``
-            when the dict carries it, as transformers 5.x ``rope_parameters`` do).
-        rope_scaling: None (plain RoPE) or a dict with ``rope_type`` (or the
-            legacy ``type``) among :data:`ROPE_TYPES` and that scheme's keys:
-            ``factor``; ``low_freq_factor``, ``high_freq_factor`` (llama3);
-            ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``,
-            ``truncate``, ``attention_factor`` (yarn); ``short_factor``,
-            ``long_factor``, ``attention_factor`` (longrope); ``factor``
-            (proportional, optional);
-            ``original_max_position_embeddings`` (yarn, llama3, longrope;
-            defaults to ``max_position_embeddings``). Other keys are ignored.
-        partial_rotary_factor: fraction of the head that rotates, in (0, 1]
-            (default 1.0, or ``rope_scaling['partial_rotary_factor']``);
-            ``rotary_dim = int(head_dim * partial_rotary_factor)`` (for
-            ``proportional``: the number of pairs with a nonzero frequency is
-            ``int(head_dim * partial_rotary_factor // 2)``, and rotary_dim is
-            head_dim).
-        max_position_embeddings: the model's context length; needed by
-            ``dynamic``, and by ``yarn``/``longrope`` where they derive the
-            factor from it.
-        seq_len: the current sequence length (largest position + 1). Used by
-            ``dynamic`` (rescaled base once seq_len > max_position_embeddings)
-            and ``longrope`` (long factors once seq_len >
-            original_max_position_embeddings); ignored by the others. This
-            function is pure: Hugging Face's rotary module for ``dynamic``
-            keeps state instead (once a forward has grown the base it keeps
-            it, and resets to the original only for a sequence shorter than
-            max_position_embeddings), so to reproduce its frequencies pass
-            the largest length seen since that reset.
+    The schemes and their formulas are in this module's docstring; the
+    argument reference is ``docs/api.md`` (section Frequencies).
 
-    Returns:
-        ``(inv_freq, attention_factor)``: float32 NumPy array [rotary_dim / 2]
-        (entry f for pair f, see the module docstring; [head_dim / 2] for
-        ``proportional``) and a Python float by
-        which cos and sin are multiplied (1.0 for schemes without one).
+    Parameters
+    ----------
+    head_dim : int
+        Channels per head (even). For MLA models (DeepSeek-V2/V3) pass
+        ``qk_rope_head_dim``.
+    rope_theta : float, optional
+        The base (default 10000.0, or ``rope_scaling['rope_theta']`` when the
+        dict carries it, as transformers 5.x ``rope_parameters`` do).
+    rope_scaling : dict, optional
+        None (plain RoPE) or a dict with ``rope_type`` (or the legacy
+        ``type``) among :data:`ROPE_TYPES` and that scheme's keys; other keys
+        are ignored.
+    partial_rotary_factor : float, optional
+        Fraction of the head that rotates, in (0, 1] (default 1.0, or
+        ``rope_scaling['partial_rotary_factor']``):
+        ``rotary_dim = int(head_dim * partial_rotary_factor)``.
+    max_position_embeddings : int, optional
+        The model's context length: needed by ``dynamic``, and by
+        ``yarn`` / ``longrope`` where they derive the factor from it.
+    seq_len : int, optional
+        The current sequence length (largest position + 1), read by
+        ``dynamic`` and ``longrope``. This function is pure: to reproduce
+        Hugging Face's stateful ``dynamic`` module, pass the largest length
+        seen since its last reset.
 
-    Raises:
-        ValueError / TypeError naming the argument (or the ``rope_scaling`` key)
-        and what was expected.
+    Returns
+    -------
+    inv_freq : numpy.ndarray
+        The float32 frequencies [rotary_dim / 2] ([head_dim / 2] for
+        ``proportional``).
+    attention_factor : float
+        Multiplies cos and sin (1.0 for schemes without one).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument (or the ``rope_scaling`` key) and what was expected.
+
+    Examples
+    --------
+    >>> inv, factor = rope_frequencies(128, 500000.0, {"rope_type": "llama3", "factor": 8.0,
+    ...     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    ...     "original_max_position_embeddings": 8192})
+    >>> inv.shape, inv.dtype, factor
+    ((64,), dtype('float32'), 1.0)
     """
-    head_dim = _positive_int(head_dim, "head_dim")
-    if head_dim % 2:
-        raise ValueError(f"head_dim: expected an even number of channels, got {head_dim}")
+    head_dim = _even_head_dim(head_dim)
     rope_type = _rope_type(rope_scaling)
     params = dict(rope_scaling) if rope_scaling is not None else {}
-
-    theta = _positive_float(_merge(rope_theta, params.get("rope_theta"), "rope_theta", _DEFAULT_THETA),
-                            "rope_theta")
-    if theta == 1.0:
-        raise ValueError("rope_theta: expected a base != 1 (every frequency would be 1)")
-    prf = _as_float(_merge(partial_rotary_factor, params.get("partial_rotary_factor"),
-                           "partial_rotary_factor", 1.0), "partial_rotary_factor")
-    if not 0.0 < prf <= 1.0:
-        raise ValueError(f"partial_rotary_factor: expected a value in (0, 1], got {prf}")
+    theta = _theta_arg(rope_theta, params)
+    prf = _partial_factor_arg(partial_rotary_factor, params)
     if max_position_embeddings is not None:
         max_position_embeddings = _config_int(max_position_embeddings, "max_position_embeddings")
-    if seq_len is not None:
-        seq_len = _as_int(seq_len, "seq_len")
-        if seq_len < 0:
-            raise ValueError(f"seq_len: expected an int >= 0, got {seq_len}")
+    seq_len = _seq_len_arg(seq_len)
     if rope_type == "proportional":
         return _proportional(params, theta, head_dim, prf), 1.0
-    dim = _rotary_dim(head_dim, prf)
-
-    attention_factor = 1.0
-    if rope_type == "default":
-        inv_freq = _base_inv_freq(theta, dim)
-    elif rope_type == "linear":
-        factor = _positive_float(_required(params, "factor", rope_type), "rope_scaling['factor']")
-        inv_freq = _base_inv_freq(theta, dim) / factor
-    elif rope_type == "dynamic":
-        factor = _positive_float(_required(params, "factor", rope_type), "rope_scaling['factor']")
-        if max_position_embeddings is None:
-            raise ValueError("max_position_embeddings: the 'dynamic' scheme needs it, got None")
-        if dim == 2:
-            raise ValueError("partial_rotary_factor: the 'dynamic' scheme needs rotary_dim > 2 "
-                             "(its exponent is rotary_dim / (rotary_dim - 2)), got rotary_dim 2")
-        length = max_position_embeddings if seq_len is None else max(seq_len, max_position_embeddings)
-        scale = factor * length / max_position_embeddings - (factor - 1)
-        if scale <= 0:
-            raise ValueError(f"rope_scaling['factor']: the 'dynamic' scheme gives a base scale "
-                             f"{scale} <= 0 for factor {factor}")
-        inv_freq = _base_inv_freq(theta * scale ** (dim / (dim - 2)), dim)
-    elif rope_type == "yarn":
-        inv_freq, attention_factor = _yarn(params, theta, dim, max_position_embeddings)
-    elif rope_type == "llama3":
-        inv_freq, attention_factor = _llama3(params, theta, dim, max_position_embeddings)
-    else:  # longrope
-        inv_freq, attention_factor = _longrope(params, theta, dim, max_position_embeddings, seq_len)
+    scheme = _Scheme(params, theta, _rotary_dim(head_dim, prf), max_position_embeddings, seq_len)
+    inv_freq, attention_factor = _SCHEMES[rope_type](scheme)
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
@@ -433,6 +497,17 @@ def rope_frequencies(head_dim, rope_theta=None, rope_scaling=None, partial_rotar
 
 
 _NESTING_MARKERS = ("rope_type", "type", "rope_theta", "factor", "partial_rotary_factor")
+
+
+def _check_config(config) -> None:
+    """Refuse what cannot be a config, before it reads as one without attributes."""
+    if isinstance(config, (str, bytes, os.PathLike)):
+        raise TypeError(f"config: from_config takes a config object or a dict and downloads "
+                        f"nothing; got the {type(config).__name__} {config!r} (load it first, e.g. "
+                        "transformers.AutoConfig.from_pretrained(name), or json.load a config.json)")
+    if config is None or isinstance(config, numbers.Number) or (
+            isinstance(config, Sequence) and not isinstance(config, Mapping)):
+        raise TypeError(f"config: expected a config object or a dict, got {type(config).__name__}")
 
 
 def _config_getter(config):
@@ -448,7 +523,49 @@ def _config_getter(config):
     return get
 
 
-def _layer_override(config, get, layer_type):
+def _text_config(get):
+    """The ``text_config`` of a composite config whose top level cannot say
+    the head size (nor carries rope parameters), else None."""
+    text = get("text_config")
+    if text is None or get("rope_parameters") or get("rope_scaling"):
+        return None
+    if get("head_dim") or get("qk_rope_head_dim") or (
+            get("hidden_size") and get("num_attention_heads")):
+        return None
+    return text
+
+
+def _config_rope_params(get, layer_type) -> dict:
+    """A copy of the config's rope dict, the entry of ``layer_type`` where
+    the dict holds one per layer type ({} for plain RoPE)."""
+    params: Any = get("rope_parameters")
+    if not params:
+        params = get("rope_scaling")
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"config: expected rope_parameters / rope_scaling to be a dict or None, "
+                        f"got {type(params).__name__}")
+    params = dict(params) if params else {}
+    nested = [k for k, v in params.items() if isinstance(v, Mapping) or v is None]
+    if params and nested and not any(k in params for k in _NESTING_MARKERS):
+        if layer_type is None:
+            raise ValueError(f"layer_type: the config has rope parameters per layer type "
+                             f"({', '.join(map(str, nested))}); pass layer_type= to pick one")
+        if layer_type not in params:
+            raise ValueError(f"layer_type: expected one of {', '.join(map(str, nested))}, got {layer_type!r}")
+        params = dict(params[layer_type] or {})
+    return params
+
+
+def _first_of(value, get, keys, default):
+    """``value``, else the first of the config's ``keys`` that is set, else ``default``."""
+    for key in keys:
+        if value is not None:
+            return value
+        value = get(key)
+    return default if value is None else value
+
+
+def _layer_override(get, layer_type):
     """The per-layer config (or dict of overrides) of the first layer of
     ``layer_type``, where the config has ``per_layer_config``; else None."""
     per_layer = get("per_layer_config")
@@ -473,88 +590,21 @@ def _layer_override(config, get, layer_type):
     return None
 
 
-def from_config(config, seq_len=None, *, layer_type=None) -> Tuple[np.ndarray, float]:
-    """:func:`rope_frequencies` for a model config: a transformers config object or a dict.
+class _HeadGeometry(NamedTuple):
+    """The head size a config gives, and the partial rotary factor that applies to it."""
 
-    Reads attributes (or keys), transformers is not imported:
+    head_dim: Any  # checked by rope_frequencies
+    partial_rotary_factor: Any
 
-    * the scheme: ``rope_parameters`` (transformers 5.x) or ``rope_scaling``
-      (4.x, and config.json files); per-layer-type ``rope_parameters``
-      (``{"full_attention": {...}, "sliding_attention": {...}}``) need
-      ``layer_type`` to pick one;
-    * ``rope_theta``: from that dict, else the top-level ``rope_theta`` (or
-      ``rotary_emb_base``), else ``default_theta``, else 10000.0;
-    * ``partial_rotary_factor``: from that dict, else top-level
-      ``partial_rotary_factor`` (or ``rotary_pct``), else 1.0;
-    * ``head_dim``: ``qk_rope_head_dim`` (MLA models; where a
-      ``partial_rotary_factor`` already maps ``head_dim`` onto it, as in
-      Mistral 4 and DeepSeek-V4 configs, it is not applied a second time),
-      else ``head_dim``, else ``hidden_size // num_attention_heads``; with
-      ``layer_type``, a per-layer override of ``head_dim`` (Gemma 4's
-      ``per_layer_config``: 512 for its full-attention layers) as in
-      transformers;
-    * ``max_position_embeddings``; a top-level ``original_max_position_embeddings``
-      (Phi-3) takes priority over the dict's for yarn, llama3 and longrope, as
-      in transformers; Phi-3 configs (``model_type`` "phi3") that name
-      ``yarn`` mean LongRoPE, as transformers' Phi3Config reads them.
 
-    A composite (multimodal) config whose top level has no rope parameters
-    and cannot give the head size is read through its ``text_config``. For a
-    per-layer ``yarn`` entry ``truncate`` is read from that entry
-    (transformers reads it from the top-level dict, where a per-layer config
-    has none, and so always truncates).
-
-    Returns ``(inv_freq, attention_factor)`` as :func:`rope_frequencies`.
-    """
-    get = _config_getter(config)
-    text = get("text_config")
-    if text is not None and not (get("rope_parameters") or get("rope_scaling")) and not (
-            get("head_dim") or get("qk_rope_head_dim")
-            or (get("hidden_size") and get("num_attention_heads"))):
-        # a composite config whose top level cannot say the head size
-        return from_config(text, seq_len, layer_type=layer_type)
-
-    params: Any = get("rope_parameters")
-    if not params:
-        params = get("rope_scaling")
-    if params is not None and not isinstance(params, Mapping):
-        raise TypeError(f"config: expected rope_parameters / rope_scaling to be a dict or None, "
-                        f"got {type(params).__name__}")
-    params = dict(params) if params else {}
-
-    nested = [k for k, v in params.items() if isinstance(v, Mapping) or v is None]
-    if params and nested and not any(k in params for k in _NESTING_MARKERS):
-        if layer_type is None:
-            raise ValueError(f"layer_type: the config has rope parameters per layer type "
-                             f"({', '.join(map(str, nested))}); pass layer_type= to pick one")
-        if layer_type not in params:
-            raise ValueError(f"layer_type: expected one of {', '.join(map(str, nested))}, got {layer_type!r}")
-        params = dict(params[layer_type] or {})
-
-    theta = params.pop("rope_theta", None)
-    if theta is None:
-        theta = get("rope_theta")
-    if theta is None:
-        theta = get("rotary_emb_base")
-    if theta is None:
-        theta = get("default_theta")
-    if theta is None:
-        theta = _DEFAULT_THETA
-
-    prf = params.pop("partial_rotary_factor", None)
-    if prf is None:
-        prf = get("partial_rotary_factor")
-    if prf is None:
-        prf = get("rotary_pct")
-    if prf is None:
-        prf = 1.0
-
+def _config_head(get, layer_type, prf) -> _HeadGeometry:
+    """The config's head size (a per-layer override first, MLA's rope slice
+    where there is one) and the partial rotary factor that applies to it."""
     layer_get = get
     if layer_type is not None:
-        override = _layer_override(config, get, layer_type)
+        override = _layer_override(get, layer_type)
         if override is not None:
             layer_get = _config_getter(override)
-
     head_dim = layer_get("head_dim") or get("head_dim")
     mla = layer_get("qk_rope_head_dim") or get("qk_rope_head_dim")
     if mla:
@@ -572,23 +622,110 @@ def from_config(config, seq_len=None, *, layer_type=None) -> Tuple[np.ndarray, f
                              "num_attention_heads")
         head_dim = _positive_int(hidden, "config.hidden_size") // _positive_int(
             heads, "config.num_attention_heads")
+    return _HeadGeometry(head_dim, prf)
 
+
+def _apply_config_quirks(params: dict, get) -> None:
+    """Readings transformers applies to some configs' rope dicts (in place)."""
     if get("model_type") == "phi3" and params.get("rope_type", params.get("type")) == "yarn":
         params["rope_type"] = "longrope"  # Phi3Config's reading of legacy configs
         params.pop("type", None)
-
     if _rope_type(params or None) in ("yarn", "llama3", "longrope"):
-        top_orig = get("original_max_position_embeddings")
+        top_orig = get("original_max_position_embeddings")  # Phi-3's top-level key wins
         if top_orig is not None:
             params["original_max_position_embeddings"] = top_orig
 
-    return rope_frequencies(head_dim, rope_theta=theta, rope_scaling=params or None,
-                            partial_rotary_factor=prf,
+
+def from_config(config, seq_len=None, *, layer_type=None) -> Tuple[np.ndarray, float]:
+    """:func:`rope_frequencies` for a model config: a transformers config object or a dict.
+
+    Reads attributes (or keys); transformers is not imported and nothing is
+    downloaded. Which keys are read, and in which order of priority
+    (``rope_parameters`` / ``rope_scaling``, ``rope_theta``,
+    ``partial_rotary_factor``, ``head_dim`` / ``qk_rope_head_dim``, Phi-3's
+    and Gemma 4's quirks, composite configs through ``text_config``), is
+    listed in ``docs/api.md`` (section Frequencies); each follows
+    transformers' own reading.
+
+    Parameters
+    ----------
+    config : object or dict
+        A transformers ``PretrainedConfig`` (or anything with its attributes)
+        or a dict such as a loaded ``config.json``. A model name or a path is
+        refused.
+    seq_len : int, optional
+        As in :func:`rope_frequencies` (``dynamic`` and ``longrope``).
+    layer_type : str, optional
+        The layer type whose parameters to read, where the config has rope
+        parameters per layer type (e.g. ``"full_attention"``).
+
+    Returns
+    -------
+    inv_freq : numpy.ndarray
+        The float32 frequencies [rotary_dim / 2], as :func:`rope_frequencies`.
+    attention_factor : float
+        Multiplies cos and sin.
+
+    Raises
+    ------
+    TypeError
+        ``config`` is a string, a path or another non-config value, or its
+        rope dict is not a dict.
+    ValueError
+        The config cannot say the head size, ``layer_type`` is missing or
+        unknown, or :func:`rope_frequencies` refuses the parameters read.
+
+    Examples
+    --------
+    >>> inv, factor = from_config({"hidden_size": 4096, "num_attention_heads": 32,
+    ...                            "rope_theta": 500000.0})
+    >>> inv.shape, factor
+    ((64,), 1.0)
+    """
+    _check_config(config)
+    get = _config_getter(config)
+    text = _text_config(get)
+    if text is not None:
+        return from_config(text, seq_len, layer_type=layer_type)
+    params = _config_rope_params(get, layer_type)
+    theta = _first_of(params.pop("rope_theta", None), get,
+                      ("rope_theta", "rotary_emb_base", "default_theta"), _DEFAULT_THETA)
+    prf = _first_of(params.pop("partial_rotary_factor", None), get,
+                    ("partial_rotary_factor", "rotary_pct"), 1.0)
+    head = _config_head(get, layer_type, prf)
+    _apply_config_quirks(params, get)
+    return rope_frequencies(head.head_dim, rope_theta=theta, rope_scaling=params or None,
+                            partial_rotary_factor=head.partial_rotary_factor,
                             max_position_embeddings=get("max_position_embeddings"), seq_len=seq_len)
 
 
 # ---------------------------------------------------------------------------
 # cos / sin tables
+
+
+class NoCudaDeviceError(RuntimeError):
+    """A GPU function was called where CuPy sees no CUDA device (or is not installed)."""
+
+
+def _require_cuda(what: str):
+    """CuPy, once it is known to see a CUDA device; else :class:`NoCudaDeviceError`.
+
+    CuPy's own error on a machine without a GPU (``cudaErrorInsufficientDriver``
+    and the like) names neither the cause nor what still works.
+    """
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        why = "CuPy sees 0 devices" if count == 0 else None
+    except Exception as e:  # ImportError, or CUDARuntimeError without a driver
+        why = f"{type(e).__name__}: {e}"
+    if why is not None:
+        raise NoCudaDeviceError(
+            f"{what}: no CUDA device was found ({why}); the NumPy reference path still works "
+            "(NumPy arrays to cupy_rope.apply_rope*, cupy_rope.frequencies.cos_sin_cache for "
+            "the tables)")
+    return cupy
 
 
 def _check_table_args(max_position, attention_factor):
@@ -598,25 +735,44 @@ def _check_table_args(max_position, attention_factor):
 
 
 def cos_sin_cache(inv_freq, max_position, attention_factor=1.0, device_array_module=None):
-    """cos and sin tables [max_position, r/2] for ``apply_rope(x, cos, sin)``.
+    """The cos and sin tables [max_position, r/2] for ``apply_rope(x, cos, sin)``.
 
     ``cos[p, f] = attention_factor * cos(p * inv_freq[f])`` and likewise sin,
-    for positions p in [0, max_position). Computed on the CPU in float64 from
-    the float32 values of ``inv_freq`` (so the angles are those the kernel's
-    ``inv_freq=`` path uses: ``p * inv_freq`` is exact in float64 for
-    p < 2**29) and rounded once to float32.
+    for positions p in [0, max_position), computed on the CPU in float64 from
+    the float32 values of ``inv_freq`` (the angles of the kernel's
+    ``inv_freq=`` path: ``p * inv_freq`` is exact in float64 for p < 2**29)
+    and rounded once to float32.
 
-    Args:
-        inv_freq: [r/2] array (NumPy or anything ``numpy.asarray`` takes),
-            rounded to float32 first.
-        max_position: rows of the tables (> 0).
-        attention_factor: multiplies both tables (> 0).
-        device_array_module: None to return NumPy arrays, or an array module
-            (e.g. ``cupy``) whose ``asarray`` the float32 tables are passed
-            through (a copy to the current device for CuPy).
+    Parameters
+    ----------
+    inv_freq : array_like
+        [r/2] frequencies (NumPy, CuPy, or anything ``numpy.asarray`` takes),
+        rounded to float32 first.
+    max_position : int
+        Rows of the tables (> 0).
+    attention_factor : float, default 1.0
+        Multiplies both tables (> 0).
+    device_array_module : module, optional
+        None for NumPy arrays, or an array module (e.g. ``cupy``) whose
+        ``asarray`` the float32 tables are passed through.
 
-    Returns:
-        ``(cos, sin)``, C-contiguous float32 [max_position, r/2].
+    Returns
+    -------
+    cos, sin : array
+        C-contiguous float32 [max_position, r/2].
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument: ``inv_freq`` not a non-empty 1-D array of finite
+        numbers, ``max_position`` or ``attention_factor`` not positive.
+
+    Examples
+    --------
+    >>> inv, factor = rope_frequencies(64)
+    >>> cos, sin = cos_sin_cache(inv, 4096, factor)
+    >>> cos.shape, cos.dtype
+    ((4096, 32), dtype('float32'))
     """
     max_position, attention_factor = _check_table_args(max_position, attention_factor)
     inv = _inv_freq_host(inv_freq).astype(np.float64)
@@ -644,6 +800,21 @@ def _inv_freq_host(inv_freq) -> np.ndarray:
     if not np.all(np.isfinite(arr)):
         raise ValueError("inv_freq: expected finite values")
     return arr
+
+
+def _inv_freq_device(cupy, inv_freq):
+    """``inv_freq`` as a contiguous float32 CuPy array, checked as on the host."""
+    if not isinstance(inv_freq, cupy.ndarray):
+        return cupy.asarray(_inv_freq_host(inv_freq))
+    if inv_freq.dtype.kind not in "fiu":
+        raise TypeError(f"inv_freq: expected a float array, got dtype {inv_freq.dtype}")
+    if inv_freq.ndim != 1 or inv_freq.size == 0:
+        raise ValueError(f"inv_freq: expected a non-empty 1-D array [rotary_dim / 2], "
+                         f"got shape {list(inv_freq.shape)}")
+    inv = cupy.ascontiguousarray(inv_freq, dtype=cupy.float32)
+    if not bool(cupy.isfinite(inv).all()):
+        raise ValueError("inv_freq: expected finite values")
+    return inv
 
 
 _GPU_KERNEL = None
@@ -678,27 +849,42 @@ def cos_sin_cache_gpu(inv_freq, max_position, attention_factor=1.0):
 
     Each entry is ``float32(attention_factor * cos(p * inv_freq[f]))`` with the
     angle and the cos/sin in float64 on the GPU, so the tables match the CPU
-    ones to within one float32 rounding. ``inv_freq`` may be a NumPy or CuPy
-    array (rounded to float32). CuPy is imported here, not at module import.
+    ones to within one float32 rounding. CuPy is imported here, not at
+    module import.
 
-    Returns:
-        ``(cos, sin)``: C-contiguous CuPy float32 arrays [max_position, r/2] on
-        the current device, written on the current stream.
+    Parameters
+    ----------
+    inv_freq : numpy.ndarray or cupy.ndarray
+        [r/2] frequencies, rounded to float32.
+    max_position : int
+        Rows of the tables (> 0).
+    attention_factor : float, default 1.0
+        Multiplies both tables (> 0).
+
+    Returns
+    -------
+    cos, sin : cupy.ndarray
+        C-contiguous float32 [max_position, r/2] on the current device,
+        written on the current stream.
+
+    Raises
+    ------
+    NoCudaDeviceError
+        (a ``RuntimeError``) where CuPy is missing or sees no CUDA device;
+        :func:`cos_sin_cache` builds the same tables on the CPU.
+    TypeError, ValueError
+        As :func:`cos_sin_cache`.
+
+    Examples
+    --------
+    >>> inv, factor = rope_frequencies(128, 500000.0)
+    >>> cos, sin = cos_sin_cache_gpu(inv, 8192, factor)    # doctest: +SKIP
+    >>> cos.shape, type(cos).__module__                    # doctest: +SKIP
+    ((8192, 64), 'cupy')
     """
-    import cupy
-
     max_position, attention_factor = _check_table_args(max_position, attention_factor)
-    if isinstance(inv_freq, cupy.ndarray):
-        if inv_freq.dtype.kind not in "fiu":
-            raise TypeError(f"inv_freq: expected a float array, got dtype {inv_freq.dtype}")
-        if inv_freq.ndim != 1 or inv_freq.size == 0:
-            raise ValueError(f"inv_freq: expected a non-empty 1-D array [rotary_dim / 2], "
-                             f"got shape {list(inv_freq.shape)}")
-        inv = cupy.ascontiguousarray(inv_freq, dtype=cupy.float32)
-        if not bool(cupy.isfinite(inv).all()):
-            raise ValueError("inv_freq: expected finite values")
-    else:
-        inv = cupy.asarray(_inv_freq_host(inv_freq))
+    cupy = _require_cuda("cos_sin_cache_gpu")
+    inv = _inv_freq_device(cupy, inv_freq)
     half = inv.size
     cos = cupy.empty((max_position, half), dtype=cupy.float32)
     sin = cupy.empty((max_position, half), dtype=cupy.float32)

@@ -98,11 +98,37 @@ def _fits(q, k, cos, sin, unsqueeze_dim, partial=False) -> bool:
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **unused):
-    """Drop-in for ``transformers``' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``
-    of Llama-formula models (full rotary width).
+    """Drop-in for ``transformers``' ``apply_rotary_pos_emb`` of Llama-formula models.
 
-    Same arguments and results (``q_embed``, ``k_embed`` with q's and k's
-    shapes); see the module docstring for how cos and sin are read.
+    The kernel runs where the call fits (CUDA tensors, full rotary width,
+    tables that need no gradient); anything else runs Hugging Face's formula.
+    See the module docstring for how cos and sin are read.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        [b, hq, s, d] (``unsqueeze_dim=1``) or [b, s, hq, d] (2).
+    k : torch.Tensor
+        [b, hk, s, d] or [b, s, hk, d].
+    cos, sin : torch.Tensor
+        [b, s, d] or [s, d], as the model's rotary module builds them.
+    unsqueeze_dim : {1, 2}, default 1
+        The head axis of q and k, as in transformers.
+    **unused
+        Ignored (some modeling files pass ``position_ids``).
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        ``q_embed`` and ``k_embed``, new tensors of q's and k's shapes.
+
+    Examples
+    --------
+    >>> import transformers.models.llama.modeling_llama as m    # doctest: +SKIP
+    >>> m.apply_rotary_pos_emb = cupy_rope.hf.apply_rotary_pos_emb  # doctest: +SKIP
+
+    q [1, 32, 512, 128] and k [1, 8, 512, 128] with cos, sin [1, 512, 128]
+    give q_embed [1, 32, 512, 128] and k_embed [1, 8, 512, 128].
     """
     if not _fits(q, k, cos, sin, unsqueeze_dim):
         return _stock(q, k, cos, sin, unsqueeze_dim)
@@ -228,16 +254,37 @@ def _patched_forward(fn, drop_in):
 
 
 def patch(model: torch.nn.Module) -> torch.nn.Module:
-    """Make ``model``'s attention layers rotate q and k with cupy-rope; returns ``model``.
+    """Make ``model``'s attention layers rotate q and k with cupy-rope.
 
     Each attention module whose class ``forward`` calls the global
     ``apply_rotary_pos_emb``, where that function computes the Llama formula
     (see the module docstring), gets an instance ``forward``: the same code
     with that one name bound to a drop-in that runs the kernel where the
     call fits and the model's own function otherwise (its other globals are
-    a snapshot of the modeling module's, taken now). Idempotent. Raises
-    ``ValueError`` when no layer qualifies, naming the functions that are
-    another formula.
+    a snapshot of the modeling module's, taken now). Idempotent; other
+    instances of the same classes are not affected.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A transformers model (or any module holding such attention layers).
+
+    Returns
+    -------
+    torch.nn.Module
+        ``model`` itself, patched.
+
+    Raises
+    ------
+    ValueError
+        When no layer qualifies, naming the functions that are another formula.
+
+    Examples
+    --------
+    >>> model = transformers.AutoModelForCausalLM.from_config(cfg)  # doctest: +SKIP
+    >>> model = cupy_rope.hf.patch(model.cuda())                    # doctest: +SKIP
+    >>> cupy_rope.hf.unpatch(model) is model                        # doctest: +SKIP
+    True
     """
     found, other = 0, set()
     for module in model.modules():
@@ -265,7 +312,23 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch`: the attention layers use their class ``forward`` again."""
+    """Undo :func:`patch`: the attention layers use their class ``forward`` again.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A model passed to :func:`patch` (a model never patched is left as it is).
+
+    Returns
+    -------
+    torch.nn.Module
+        ``model`` itself.
+
+    Examples
+    --------
+    >>> cupy_rope.hf.unpatch(cupy_rope.hf.patch(model)) is model  # doctest: +SKIP
+    True
+    """
     for module in model.modules():
         if getattr(module.__dict__.get("forward"), _MARK, False):
             del module.forward

@@ -21,11 +21,9 @@ sequence (a jitted decode step), a [batch] (thd: [n_seqs]) int array one per
 sequence. Host (NumPy) int64 positions or offsets beyond int32 are refused
 unless ``jax_enable_x64`` is on (JAX would narrow them to int32).
 
-Per-axis positions (M-RoPE, axial RoPE): ``sections`` (1 to 3 frequency
-counts, one per position axis, summing to rotary_dim / 2) and
-``sections_interleaved`` (Qwen3-VL's assignment) are static arguments (part
-of the compiled program, like ``layout``), with ``positions`` then
-[axes, s] / [axes, b, s] (bshd/sbhd) or [axes, t] (thd), a traced array.
+Per-axis positions (M-RoPE, axial RoPE; ``docs/api.md``): ``sections`` and
+``sections_interleaved`` are static arguments (part of the compiled
+program, like ``layout``); ``positions`` is a traced array.
 
 How the kernel gets into an XLA program
 ---------------------------------------
@@ -44,11 +42,11 @@ leaves the device (jaxlib's handler only wraps the buffers and calls Python;
 unlike ``pure_callback`` it copies nothing and does not synchronize the
 stream): the kernel is ordered after the producers of its inputs and before
 its consumers by the stream itself. The same path serves eager calls (JAX
-compiles the single op) and ``jax.jit``. Checked with jax 0.11.2 on an H100:
-inside a jitted program whose ~20 ms matmul chain produces the op's input,
-the callback runs about 2 ms after dispatch starts (so nothing waited for the
-chain) and its kernel still reads the final input, call after call with new
-data.
+compiles the single op) and ``jax.jit``. Checked on an H100 (the figures
+are in ``docs/performance.md``): inside a jitted program whose long matmul
+chain produces the op's input, the callback runs long before the chain ends
+(so nothing waited for it) and its kernel still reads the final input, call
+after call with new data.
 
 Alternatives considered:
 
@@ -310,14 +308,55 @@ def rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, of
          layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0, interleaved=False,
          rotary_dim=None, head_dim=None, backward=False, sections=None,
          sections_interleaved=False):
-    """Rotated copy of ``x`` (arguments as :func:`cupy_rope.apply_rope`).
+    """Rotated copy of ``x``, eagerly or under ``jax.jit``, differentiable.
 
-    Works eagerly and under ``jax.jit``; ``jax.grad`` runs the kernel with
-    ``backward`` flipped (rotation by -theta). ``offsets`` may be a Python int
-    (static), a 0-d int array (traced, every sequence) or one per sequence.
-    M-RoPE / axial RoPE: ``sections`` and
-    ``sections_interleaved`` (static), ``positions`` [axes, s] / [axes, b, s]
-    (thd: [axes, t]).
+    ``jax.grad`` runs the kernel with ``backward`` flipped (rotation by
+    -theta); the angle arrays get zero cotangents.
+
+    Parameters
+    ----------
+    x : jax.Array
+        [b, s, h, d] (bshd), [s, b, h, d] (sbhd) or [t, h, d] (thd).
+    cos, sin : jax.Array, optional
+        Tables [max_position, r/2].
+    inv_freq, freqs, positions : array, optional
+        The other angle sources and the positions, as in
+        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``); traced.
+    offsets : int or array, optional
+        A Python int (static: a new value compiles a new program), a 0-d int
+        array (traced, one offset for every sequence) or one per sequence.
+    layout : {"bshd", "sbhd", "thd"}, default "bshd"
+        Static.
+    cu_seqlens : array, optional
+        Sequence boundaries of a packed thd batch; traced.
+    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
+        Static, as in :func:`cupy_rope.apply_rope`.
+    backward : bool, default False
+        Rotate by -theta (static).
+    sections, sections_interleaved : optional
+        M-RoPE / axial RoPE (static); ``positions`` is then [axes, s] /
+        [axes, b, s] (thd: [axes, t]).
+
+    Returns
+    -------
+    jax.Array
+        A new array of ``x``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
+        ``ValueError`` for host int64 positions or offsets beyond int32
+        while ``jax_enable_x64`` is off.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, cupy_rope.jax as crj
+    >>> from cupy_rope.frequencies import cos_sin_cache, rope_frequencies
+    >>> cos, sin = map(jnp.asarray, cos_sin_cache(rope_frequencies(64)[0], 128))
+    >>> x = jnp.ones((2, 128, 8, 64), jnp.bfloat16)
+    >>> jax.jit(lambda x: crj.rope(x, cos, sin))(x).shape
+    (2, 128, 8, 64)
     """
     x = jnp.asarray(x)
     static, arrays = _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens,
@@ -354,7 +393,55 @@ def rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=No
             offsets=None, layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0,
             interleaved=False, rotary_dim=None, head_dim=None, backward=False, sections=None,
             sections_interleaved=False):
-    """Rotated copies of q [.., hq, d] and k [.., hk, d] in one launch."""
+    """Rotated copies of q and k in one launch, differentiable with respect to both.
+
+    Parameters
+    ----------
+    q : jax.Array
+        [.., hq, d] in ``layout``.
+    k : jax.Array
+        [.., hk, d], the same tokens (any hk).
+    cos, sin : jax.Array, optional
+        Tables [max_position, r/2].
+    inv_freq, freqs, positions : array, optional
+        The other angle sources and the positions, as in
+        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``); traced.
+    offsets : int or array, optional
+        A Python int (static: a new value compiles a new program), a 0-d int
+        array (traced, one offset for every sequence) or one per sequence.
+    layout : {"bshd", "sbhd", "thd"}, default "bshd"
+        Static.
+    cu_seqlens : array, optional
+        Sequence boundaries of a packed thd batch; traced.
+    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
+        Static, as in :func:`cupy_rope.apply_rope`.
+    backward : bool, default False
+        Rotate by -theta (static).
+    sections, sections_interleaved : optional
+        M-RoPE / axial RoPE (static); ``positions`` is then [axes, s] /
+        [axes, b, s] (thd: [axes, t]).
+
+    Returns
+    -------
+    (jax.Array, jax.Array)
+        New arrays of q's and k's shapes.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
+        ``ValueError`` for host int64 positions or offsets beyond int32
+        while ``jax_enable_x64`` is off.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, cupy_rope.jax as crj
+    >>> from cupy_rope.frequencies import cos_sin_cache, rope_frequencies
+    >>> cos, sin = map(jnp.asarray, cos_sin_cache(rope_frequencies(64)[0], 128))
+    >>> q, k = jnp.ones((2, 128, 8, 64)), jnp.ones((2, 128, 2, 64))
+    >>> [t.shape for t in crj.rope_qk(q, k, cos, sin)]
+    [(2, 128, 8, 64), (2, 128, 2, 64)]
+    """
     q, k = jnp.asarray(q), jnp.asarray(k)
     static, arrays = _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens,
                               layout, cp_size, cp_rank, interleaved, rotary_dim, head_dim,
@@ -448,15 +535,64 @@ def rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=Non
              packing="concat", inv_freq=None, freqs=None, positions=None, offsets=None,
              layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0, interleaved=False,
              rotary_dim=None, sections=None, sections_interleaved=False):
-    """Packed projection output -> (rotated q [.., hq, d], rotated k, v [.., hk, d]).
+    """Split a packed projection output into rotated q, rotated k and v.
 
-    ``qkv``: token axes ([b, s] / [s, b] / [T]) then [(hq + 2 hk) * d] or
-    [hq + 2 hk, d]; ``packing`` "concat" or "grouped" (see ``docs/api.md``).
     The gradient with respect to ``qkv`` comes back packed by
     :func:`cupy_rope.apply_rope_qkv_backward`. If the library's
     ``apply_rope_qkv`` cannot write into caller-provided outputs (``out_q``,
     ``out_k``, ``out_v``), the split is done by XLA and q, k are rotated by
     :func:`rope_qk` (gradients through XLA's slicing).
+
+    Parameters
+    ----------
+    qkv : jax.Array
+        Token axes ([b, s] / [s, b] / [t]) then [(hq + 2 hk) * d] or
+        [hq + 2 hk, d].
+    cos, sin : jax.Array, optional
+        Tables [max_position, r/2].
+    num_q_heads, num_kv_heads : int
+        The numbers of q heads (hq) and of k and v heads (hk).
+    head_dim : int, optional
+        The head size d, where the heads are flattened and cannot say it.
+    packing : {"concat", "grouped"}, default "concat"
+        The order of the heads in ``qkv`` (``docs/api.md``).
+    inv_freq, freqs, positions : array, optional
+        The other angle sources and the positions, as in
+        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``); traced.
+    offsets : int or array, optional
+        A Python int (static), a 0-d int array or one per sequence, as in
+        :func:`rope`.
+    layout : {"bshd", "sbhd", "thd"}, default "bshd"
+        Static.
+    cu_seqlens : array, optional
+        Sequence boundaries of a packed thd batch; traced.
+    cp_size, cp_rank, interleaved, rotary_dim : optional
+        Static, as in :func:`cupy_rope.apply_rope`.
+    sections, sections_interleaved : optional
+        M-RoPE / axial RoPE (static); ``positions`` is then [axes, s] /
+        [axes, b, s] (thd: [axes, t]).
+
+    Returns
+    -------
+    (jax.Array, jax.Array, jax.Array)
+        The rotated q [.., hq, d], the rotated k and v [.., hk, d].
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
+        ``ValueError`` for host int64 positions or offsets beyond int32
+        while ``jax_enable_x64`` is off.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, cupy_rope.jax as crj
+    >>> from cupy_rope.frequencies import cos_sin_cache, rope_frequencies
+    >>> cos, sin = map(jnp.asarray, cos_sin_cache(rope_frequencies(64)[0], 128))
+    >>> qkv = jnp.ones((2, 128, (8 + 2 * 2) * 64))
+    >>> q, k, v = crj.rope_qkv(qkv, cos, sin, num_q_heads=8, num_kv_heads=2)
+    >>> q.shape, v.shape
+    ((2, 128, 8, 64), (2, 128, 2, 64))
     """
     qkv = jnp.asarray(qkv)
     hq, hk = _as_int(num_q_heads, "num_q_heads"), _as_int(num_kv_heads, "num_kv_heads")

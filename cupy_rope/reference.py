@@ -2,7 +2,12 @@
 
 It implements the conventions of every public operation with plain NumPy
 and no shortcuts, and also serves NumPy inputs of the public API (so the
-library runs, slowly, without a GPU).
+library runs, slowly, without a GPU). The conventions themselves (layouts,
+pairing styles, angle sources, positions) are defined in ``docs/api.md``.
+
+The functions work on a checked :class:`~cupy_rope.validate.Call`; users
+reach them through the public functions with NumPy arrays, e.g.
+``cupy_rope.apply_rope(x, cos, sin)`` with ``x`` a NumPy [b, s, h, d] array.
 """
 
 from __future__ import annotations
@@ -18,8 +23,31 @@ def _f64(a) -> np.ndarray:
 
 def strided_view(t, offset: int, strides5: tuple, batch: int, seqlen: int, heads: int,
                  heads_per_group: int, head_dim: int) -> np.ndarray:
-    """A [b, s, groups, heads_per_group, d] view of host array ``t`` (a Tensor)
-    at element ``offset`` with element strides (b, s, group, head, dim)."""
+    """A strided [b, s, groups, heads_per_group, d] view of a host array.
+
+    Parameters
+    ----------
+    t : cupy_rope.interop.Tensor
+        The description of a NumPy array (``t.obj``).
+    offset : int
+        Element offset of the view's first element from ``t.obj``'s data.
+    strides5 : tuple of int
+        Element strides (batch, seq, group, head, dim); a group stride of 0
+        means ``heads_per_group * head stride``.
+    batch, seqlen, heads, heads_per_group, head_dim : int
+        The view's geometry (groups = heads // heads_per_group).
+
+    Returns
+    -------
+    numpy.ndarray
+        A view (no copy) [batch, seqlen, groups, heads_per_group, head_dim]
+        of ``t.obj``'s memory; writing to it writes the array.
+
+    Examples
+    --------
+    A [2, 16, 8, 64] bshd array of 8 heads in 2 groups of 4 gives a
+    [2, 16, 2, 4, 64] view.
+    """
     base = np.asarray(t.obj)
     item = base.itemsize
     start = np.lib.stride_tricks.as_strided(base, shape=(offset + 1,), strides=(item,))[offset:]
@@ -33,7 +61,25 @@ def strided_view(t, offset: int, strides5: tuple, batch: int, seqlen: int, heads
 
 
 def slab_input(call: Call, slab: Slab) -> np.ndarray:
-    """float64 [b, s, h, d] input of one slab."""
+    """The float64 input of one slab.
+
+    Parameters
+    ----------
+    call : cupy_rope.validate.Call
+        The checked call.
+    slab : cupy_rope.validate.Slab
+        One of ``call.slabs`` (q, k or v).
+
+    Returns
+    -------
+    numpy.ndarray
+        The float64 input [batch, seqlen, slab.heads, head_dim] (a copy).
+
+    Examples
+    --------
+    For ``apply_rope(x, cos, sin)`` with an sbhd ``x`` [16, 2, 8, 64], the one
+    slab's input is [2, 16, 8, 64].
+    """
     v = strided_view(slab.x, slab.x_offset, slab.x_strides, call.batch, call.seqlen,
                      slab.heads, slab.heads_per_group, call.head_dim)
     return _f64(v).reshape(call.batch, call.seqlen, slab.heads, call.head_dim)
@@ -46,6 +92,25 @@ def axis_of_frequency(sections, interleaved: bool) -> np.ndarray:
     next sections[1] axis 1, the rest axis 2. Interleaved (Qwen3-VL): f with
     f % 3 == 1 and f < 3 * sections[1] use axis 1, f % 3 == 2 and
     f < 3 * sections[2] axis 2, every other f axis 0.
+
+    Parameters
+    ----------
+    sections : sequence of int
+        Frequencies per position axis (1 to 3 entries; 3 when interleaved).
+    interleaved : bool
+        Qwen3-VL's interleaved assignment instead of contiguous sections.
+
+    Returns
+    -------
+    numpy.ndarray
+        The axis of each frequency, int [sum(sections)].
+
+    Examples
+    --------
+    >>> axis_of_frequency((2, 1, 1), False)
+    array([0, 0, 1, 2])
+    >>> axis_of_frequency((2, 1, 1), True)
+    array([0, 1, 2, 0])
     """
     n = sum(sections)
     f = np.arange(n)
@@ -58,9 +123,26 @@ def axis_of_frequency(sections, interleaved: bool) -> np.ndarray:
 
 
 def cos_sin_of(call: Call, pos: np.ndarray):
-    """float64 cos and sin [batch, seqlen, rotary_dim / 2] at ``pos``
-    ([batch, seqlen], or [axes, batch, seqlen] with sections; NaN for a
-    position outside the table)."""
+    """The cos and sin of every token's angles, from the call's angle source.
+
+    Parameters
+    ----------
+    call : cupy_rope.validate.Call
+        The checked call (its angle source, ``rotary_dim`` and sections).
+    pos : numpy.ndarray
+        The int positions [batch, seqlen], or [axes, batch, seqlen] with sections.
+
+    Returns
+    -------
+    cos, sin : numpy.ndarray
+        The float64 values [batch, seqlen, rotary_dim / 2]; NaN for a position outside
+        the table (so a test sees it, where a kernel would read anything).
+
+    Examples
+    --------
+    With a [4096, 32] cos table and positions [2, 16], cos and sin are
+    [2, 16, 32].
+    """
     half = call.rotary_dim // 2
     f = np.arange(half)
     if call.sections:  # each frequency at the position of its axis: [b, s, r/2]
@@ -89,10 +171,35 @@ def cos_sin_of(call: Call, pos: np.ndarray):
 
 def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary_dim: int,
            interleaved: bool, backward: bool = False) -> np.ndarray:
-    """Rotate channel pairs of x [b, s, h, d] (float64) by angles [b, s, r/2].
+    """Rotate the channel pairs of x by the angles whose cos and sin are given.
 
     NeoX pairs channel f with f + r/2; GPT-J (interleaved) pairs 2f with
     2f + 1. Backward rotates by -theta. Channels past rotary_dim pass through.
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        The float64 input [b, s, h, d].
+    cos, sin : numpy.ndarray
+        The float64 cos and sin of the angles [b, s, r/2].
+    rotary_dim : int
+        The rotated channels r (even, <= d).
+    interleaved : bool
+        GPT-J pairs instead of NeoX pairs.
+    backward : bool, default False
+        Rotate by -theta (the gradient of the forward rotation).
+
+    Returns
+    -------
+    numpy.ndarray
+        A new float64 array [b, s, h, d].
+
+    Examples
+    --------
+    >>> x = np.ones((1, 2, 1, 4))
+    >>> theta = np.full((1, 2, 2), np.pi / 2)
+    >>> rotate(x, np.cos(theta), np.sin(theta), 4, False).round(12)[0, 0, 0]
+    array([-1., -1.,  1.,  1.])
     """
     out = x.copy()
     c = cos[:, :, None, :]
@@ -110,7 +217,29 @@ def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary_dim: int,
 
 
 def rope_slabs(call: Call) -> list:
-    """float64 results [b, s, h, d] of every slab of ``call`` (v is copied)."""
+    """The float64 result of every slab of a call (v is copied unrotated).
+
+    Parameters
+    ----------
+    call : cupy_rope.validate.Call
+        The checked call; positions, offsets and cu_seqlens must be host
+        (NumPy) arrays or ints.
+
+    Returns
+    -------
+    list of numpy.ndarray
+        One float64 [batch, seqlen, heads, head_dim] array per slab.
+
+    Raises
+    ------
+    ValueError
+        Where positions, offsets or cu_seqlens are device arrays.
+
+    Examples
+    --------
+    For ``apply_rope_qk(q, k, cos, sin)`` with q [2, 16, 8, 64] and k
+    [2, 16, 2, 64]: a list of a [2, 16, 8, 64] and a [2, 16, 2, 64] array.
+    """
     pos = host_positions(call)
     if pos is None:
         raise ValueError("the NumPy reference needs host positions, offsets and cu_seqlens")
@@ -124,13 +253,49 @@ def rope_slabs(call: Call) -> list:
 
 
 def rope(call: Call) -> np.ndarray:
-    """float64 result of a single-tensor call, in x's own shape."""
+    """The float64 result of a single-tensor call, in x's own shape.
+
+    Parameters
+    ----------
+    call : cupy_rope.validate.Call
+        A checked one-slab call (``apply_rope``), host positions.
+
+    Returns
+    -------
+    numpy.ndarray
+        A float64 array of ``call.x.shape``.
+
+    Examples
+    --------
+    For ``apply_rope(x, cos, sin, layout="thd", cu_seqlens=cu)`` with x
+    [100, 8, 64]: a float64 [100, 8, 64] array.
+    """
     y = rope_slabs(call)[0]
     return to_layout(call, y, call.x.shape)
 
 
 def to_layout(call: Call, y: np.ndarray, shape) -> np.ndarray:
-    """[b, s, h, d] -> the caller's layout and shape (sbhd, thd, flattened heads)."""
+    """A [b, s, h, d] result in the caller's layout and shape.
+
+    Parameters
+    ----------
+    call : cupy_rope.validate.Call
+        The checked call (its ``layout``).
+    y : numpy.ndarray
+        [b, s, h, d].
+    shape : tuple of int
+        The caller's shape (e.g. heads flattened into [.., h * d]).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``y`` transposed for sbhd, with the batch axis dropped for thd, and
+        reshaped to ``shape``.
+
+    Examples
+    --------
+    sbhd: a [2, 16, 8, 64] ``y`` comes back [16, 2, 8, 64].
+    """
     if call.layout == "sbhd":
         y = y.transpose(1, 0, 2, 3)
     elif call.layout == "thd":

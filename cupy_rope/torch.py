@@ -26,14 +26,10 @@ backward op packs dq, dk, dv back into the layout of the packed input.
 Gradients flow to x / q / k / qkv only: the angle sources (``cos``, ``sin``,
 ``cos_sin_cache``, ``inv_freq``, ``freqs``) are treated as constants.
 
-Per-axis positions (M-RoPE, axial RoPE): every op and wrapper takes
-``sections`` (1 to 3 frequency counts, one per position axis, summing to
-rotary_dim / 2) and ``sections_interleaved`` (Qwen3-VL's assignment, 3
-sections), with ``positions`` then [axes, s] / [axes, b, s] (bshd/sbhd) or
-[axes, t] (thd); see :func:`cupy_rope.apply_rope`. In the operator schemas
-they are the last two arguments, ``int[]? sections=None, bool
-sections_interleaved=False``, so positional calls written for the earlier
-schemas still work.
+Per-axis positions (M-RoPE, axial RoPE; ``docs/api.md``): in the operator
+schemas ``sections`` and ``sections_interleaved`` are the last two arguments,
+``int[]? sections=None, bool sections_interleaved=False``, so positional
+calls written for the earlier schemas still work.
 
 Kernels are enqueued on torch's current stream, outputs are allocated with
 ``torch.empty_like`` / ``torch.empty`` (torch's caching allocator) and passed
@@ -410,13 +406,55 @@ def rope(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, 
          interleaved: bool = False, rotary_dim: Optional[int] = None,
          head_dim: Optional[int] = None, backward: bool = False,
          sections: Optional[Sequence[int]] = None, sections_interleaved: bool = False) -> Tensor:
-    """Rotated copy of ``x`` (see :func:`cupy_rope.apply_rope` for the arguments).
+    """Rotated copy of ``x``, differentiable with respect to ``x``.
 
-    Differentiable with respect to ``x`` (the gradient is the same kernel with
-    ``backward`` flipped); traceable by ``torch.compile(fullgraph=True)`` and
-    capturable in a CUDA graph. M-RoPE / axial RoPE: ``sections`` (frequencies
-    per position axis) and ``sections_interleaved``, with ``positions``
-    [axes, s] / [axes, b, s] (thd: [axes, t]).
+    The gradient is the same kernel with ``backward`` flipped (rotation by
+    -theta); traceable by ``torch.compile(fullgraph=True)`` and capturable in
+    a CUDA graph. CPU tensors run the NumPy reference.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        [b, s, h, d] (bshd), [s, b, h, d] (sbhd) or [t, h, d] (thd); heads may
+        be flattened into the last axis where ``head_dim`` is given.
+    cos, sin : torch.Tensor, optional
+        Tables [max_position, r/2].
+    inv_freq, freqs, cos_sin_cache, positions, offsets, layout, cu_seqlens : optional
+        The other angle sources, the positions and the layout, as in
+        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``).
+    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
+        Context parallel rank, pairing style and rotated width, as in
+        :func:`cupy_rope.apply_rope`.
+    backward : bool, default False
+        Rotate by -theta.
+    sections, sections_interleaved : optional
+        M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
+        then [axes, s] / [axes, b, s] (thd: [axes, t]).
+
+    Returns
+    -------
+    torch.Tensor
+        A new tensor of ``x``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
+        ``ValueError`` for an angle tensor that requires grad (no gradient
+        is given for the angles), and a ``TypeError`` for a CPU tensor of a
+        dtype the NumPy reference does not take.
+
+    Examples
+    --------
+    >>> import torch, cupy_rope.torch as crt
+    >>> from cupy_rope.frequencies import cos_sin_cache, rope_frequencies
+    >>> inv, _ = rope_frequencies(64)
+    >>> cos, sin = (torch.from_numpy(t) for t in cos_sin_cache(inv, 128))
+    >>> x = torch.randn(2, 128, 8, 64, requires_grad=True)
+    >>> y = crt.rope(x, cos, sin)
+    >>> y.shape
+    torch.Size([2, 128, 8, 64])
+    >>> y.sum().backward()                   # x.grad: rotation by -theta
     """
     args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
@@ -434,6 +472,47 @@ def rope_(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
 
     With autograd recording for ``x``, the result is computed out of place and
     copied back (see the module docstring); otherwise no buffer is allocated.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        As in :func:`rope`; overwritten.
+    cos, sin : torch.Tensor, optional
+        Tables [max_position, r/2].
+    inv_freq, freqs, cos_sin_cache, positions, offsets, layout, cu_seqlens : optional
+        The other angle sources, the positions and the layout, as in
+        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``).
+    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
+        Context parallel rank, pairing style and rotated width, as in
+        :func:`cupy_rope.apply_rope`.
+    backward : bool, default False
+        Rotate by -theta.
+    sections, sections_interleaved : optional
+        M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
+        then [axes, s] / [axes, b, s] (thd: [axes, t]).
+
+    Returns
+    -------
+    torch.Tensor
+        ``x`` itself.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
+        ``ValueError`` for an angle tensor that requires grad (no gradient
+        is given for the angles), and a ``TypeError`` for a CPU tensor of a
+        dtype the NumPy reference does not take.
+
+    Examples
+    --------
+    >>> import torch, cupy_rope.torch as crt
+    >>> from cupy_rope.frequencies import cos_sin_cache, rope_frequencies
+    >>> inv, _ = rope_frequencies(64)
+    >>> cos, sin = (torch.from_numpy(t) for t in cos_sin_cache(inv, 128))
+    >>> x = torch.randn(2, 128, 8, 64)
+    >>> crt.rope_(x, cos, sin) is x
+    True
     """
     args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
@@ -454,7 +533,51 @@ def rope_qk(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Te
             head_dim: Optional[int] = None, backward: bool = False,
             sections: Optional[Sequence[int]] = None,
             sections_interleaved: bool = False) -> Tuple[Tensor, Tensor]:
-    """Rotated copies of q [.., hq, d] and k [.., hk, d] in one launch (any hq, hk)."""
+    """Rotated copies of q and k in one launch, differentiable with respect to both.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        [.., hq, d] in ``layout``.
+    k : torch.Tensor
+        [.., hk, d], the same tokens (any hk).
+    cos, sin : torch.Tensor, optional
+        Tables [max_position, r/2].
+    inv_freq, freqs, cos_sin_cache, positions, offsets, layout, cu_seqlens : optional
+        The other angle sources, the positions and the layout, as in
+        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``).
+    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
+        Context parallel rank, pairing style and rotated width, as in
+        :func:`cupy_rope.apply_rope`.
+    backward : bool, default False
+        Rotate by -theta.
+    sections, sections_interleaved : optional
+        M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
+        then [axes, s] / [axes, b, s] (thd: [axes, t]).
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        New tensors of q's and k's shapes.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
+        ``ValueError`` for an angle tensor that requires grad (no gradient
+        is given for the angles), and a ``TypeError`` for a CPU tensor of a
+        dtype the NumPy reference does not take.
+
+    Examples
+    --------
+    >>> import torch, cupy_rope.torch as crt
+    >>> from cupy_rope.frequencies import cos_sin_cache, rope_frequencies
+    >>> inv, _ = rope_frequencies(64)
+    >>> cos, sin = (torch.from_numpy(t) for t in cos_sin_cache(inv, 128))
+    >>> q, k = torch.randn(2, 128, 8, 64), torch.randn(2, 128, 2, 64)
+    >>> [t.shape for t in crt.rope_qk(q, k, cos, sin)]
+    [torch.Size([2, 128, 8, 64]), torch.Size([2, 128, 2, 64])]
+    """
     args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
     axes = _axes_args(sections, sections_interleaved)
@@ -471,6 +594,47 @@ def rope_qk_(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[T
     """Rotate q and k in place in one launch and return ``(q, k)``.
 
     With autograd recording for q or k, computed out of place and copied back.
+
+    Parameters
+    ----------
+    q, k : torch.Tensor
+        As in :func:`rope_qk`; overwritten.
+    cos, sin : torch.Tensor, optional
+        Tables [max_position, r/2].
+    inv_freq, freqs, cos_sin_cache, positions, offsets, layout, cu_seqlens : optional
+        The other angle sources, the positions and the layout, as in
+        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``).
+    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
+        Context parallel rank, pairing style and rotated width, as in
+        :func:`cupy_rope.apply_rope`.
+    backward : bool, default False
+        Rotate by -theta.
+    sections, sections_interleaved : optional
+        M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
+        then [axes, s] / [axes, b, s] (thd: [axes, t]).
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        ``q`` and ``k`` themselves.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
+        ``ValueError`` for an angle tensor that requires grad (no gradient
+        is given for the angles), and a ``TypeError`` for a CPU tensor of a
+        dtype the NumPy reference does not take.
+
+    Examples
+    --------
+    >>> import torch, cupy_rope.torch as crt
+    >>> from cupy_rope.frequencies import cos_sin_cache, rope_frequencies
+    >>> inv, _ = rope_frequencies(64)
+    >>> cos, sin = (torch.from_numpy(t) for t in cos_sin_cache(inv, 128))
+    >>> q, k = torch.randn(2, 128, 8, 64), torch.randn(2, 128, 2, 64)
+    >>> crt.rope_qk_(q, k, cos, sin)[0] is q
+    True
     """
     args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
@@ -493,11 +657,53 @@ def rope_qkv(qkv: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = 
              sections_interleaved: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """Split a packed projection output into new rotated q, rotated k and v.
 
-    ``qkv``: token axes ([b, s] / [s, b] / [T]) then [(hq + 2 hk) * d] or
-    [hq + 2 hk, d]; ``packing="concat"`` (all q heads, all k heads, all v heads)
-    or ``"grouped"`` (hk groups of hq/hk q heads, one k head, one v head).
-    Returns contiguous q [.., hq, d], k and v [.., hk, d]; the gradient with
-    respect to ``qkv`` comes back packed like ``qkv``.
+    The gradient with respect to ``qkv`` comes back packed like ``qkv``.
+
+    Parameters
+    ----------
+    qkv : torch.Tensor
+        Token axes ([b, s] / [s, b] / [t]) then [(hq + 2 hk) * d] or
+        [hq + 2 hk, d].
+    cos, sin : torch.Tensor, optional
+        Tables [max_position, r/2].
+    num_q_heads, num_kv_heads : int
+        The numbers of q heads (hq) and of k and v heads (hk).
+    head_dim : int, optional
+        The head size d, where the heads are flattened and cannot say it.
+    packing : {"concat", "grouped"}, default "concat"
+        All q heads, then all k, then all v heads; or hk groups of hq/hk q
+        heads, one k head and one v head (``docs/api.md``).
+    inv_freq, freqs, cos_sin_cache, positions, offsets, layout, cu_seqlens : optional
+        The other angle sources, the positions and the layout, as in
+        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``).
+    cp_size, cp_rank, interleaved, rotary_dim : optional
+        As in :func:`cupy_rope.apply_rope`.
+    sections, sections_interleaved : optional
+        M-RoPE / axial RoPE, as in :func:`rope`.
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor, torch.Tensor)
+        Contiguous q [.., hq, d], k and v [.., hk, d].
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
+        ``ValueError`` for an angle tensor that requires grad (no gradient
+        is given for the angles), and a ``TypeError`` for a CPU tensor of a
+        dtype the NumPy reference does not take.
+
+    Examples
+    --------
+    >>> import torch, cupy_rope.torch as crt
+    >>> from cupy_rope.frequencies import cos_sin_cache, rope_frequencies
+    >>> inv, _ = rope_frequencies(64)
+    >>> cos, sin = (torch.from_numpy(t) for t in cos_sin_cache(inv, 128))
+    >>> qkv = torch.randn(2, 128, (8 + 2 * 2) * 64)
+    >>> q, k, v = crt.rope_qkv(qkv, cos, sin, num_q_heads=8, num_kv_heads=2)
+    >>> q.shape, v.shape
+    (torch.Size([2, 128, 8, 64]), torch.Size([2, 128, 2, 64]))
     """
     args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)

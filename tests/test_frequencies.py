@@ -8,12 +8,15 @@ and attention factor with what the model's rotary embedding computes.
 import copy
 import importlib
 import math
+import pathlib
+import sys
 import types
 
 import numpy as np
 import pytest
 
 from cupy_rope import frequencies as fq
+from cupy_rope import reference
 from cupy_rope.frequencies import cos_sin_cache, from_config, rope_frequencies
 
 REL = 1e-6  # relative tolerance against transformers (which computes in float32)
@@ -456,6 +459,14 @@ BAD = [
     ("max_position_embeddings zero", lambda: rope_frequencies(64, max_position_embeddings=0),
      ValueError, r"max_position_embeddings"),
     ("config without head_dim", lambda: from_config({"rope_theta": 1e4}), ValueError, r"head_dim"),
+    # a model name reads as an object without attributes: say what is taken instead
+    ("config model name", lambda: from_config("meta-llama/Llama-3-8B"),
+     TypeError, r"config: .*config object or a dict.*downloads nothing.*'meta-llama/Llama-3-8B'"),
+    ("config path", lambda: from_config(pathlib.Path("config.json")),
+     TypeError, r"config: .*config object or a dict.*downloads nothing"),
+    ("config None", lambda: from_config(None), TypeError, r"config: expected a config object or a dict"),
+    ("config list", lambda: from_config([("head_dim", 64)]),
+     TypeError, r"config: expected a config object or a dict, got list"),
     ("nested without layer_type", lambda: from_config(
         {"head_dim": 8, "rope_parameters": {"full_attention": {"rope_type": "default"},
                                             "sliding_attention": {"rope_type": "default"}}}),
@@ -516,6 +527,46 @@ def test_cos_sin_cache_conventions():
     s = cos_sin_cache(inv64, 64, attention_factor=1.25)
     np.testing.assert_allclose(s[0], 1.25 * a[0].astype(np.float64), rtol=1e-7, atol=1e-7)
     np.testing.assert_allclose(s[1], 1.25 * a[1].astype(np.float64), rtol=1e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("module", [fq, reference], ids=["frequencies", "reference"])
+def test_docstring_examples(module):
+    """The Examples of the public functions run as written."""
+    import doctest
+
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted and not result.failed
+
+
+def _fake_cupy(device_count):
+    """A stand-in CuPy whose runtime reports ``device_count`` devices, or
+    raises as CuPy does on a machine without a CUDA driver."""
+    def get_device_count():
+        if device_count is None:
+            raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient "
+                               "for CUDA runtime version")
+        return device_count
+    runtime = types.SimpleNamespace(getDeviceCount=get_device_count)
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+
+
+@pytest.mark.parametrize("cupy_module", [None, _fake_cupy(None), _fake_cupy(0)],
+                         ids=["cupy missing", "no driver", "zero devices"])
+def test_cos_sin_cache_gpu_without_device(monkeypatch, cupy_module):
+    monkeypatch.setitem(sys.modules, "cupy", cupy_module)  # None: import cupy fails
+    with pytest.raises(RuntimeError, match=r"cos_sin_cache_gpu: no CUDA device was found.*"
+                                           r"NumPy reference path still works"):
+        fq.cos_sin_cache_gpu(np.ones(4, np.float32), 8)
+
+
+def test_cos_sin_cache_gpu_on_this_machine():
+    """Where there is no GPU, the real CuPy error comes out as the one clear error."""
+    from helpers import gpu_available
+
+    if gpu_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(RuntimeError, match="cos_sin_cache_gpu: no CUDA device was found"):
+        fq.cos_sin_cache_gpu(np.ones(4, np.float32), 8)
 
 
 @pytest.mark.gpu

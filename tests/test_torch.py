@@ -78,3 +78,11 @@ def test_array_api_writes_bump_torch_versions():
     cupy_rope.apply_rope_qk(q, k, cos, sin, inplace=True)
     assert out._version > versions[0] and q._version > versions[1] and k._version > versions[2]
     assert cupy_rope.apply_rope(x, cos, sin)._version == 0
+
+
+def test_docstring_examples():
+    """The Examples of the public functions run as written (CPU tensors)."""
+    import doctest
+
+    result = doctest.testmod(crt, optionflags=doctest.ELLIPSIS)
+    assert result.attempted and not result.failed
