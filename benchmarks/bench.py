@@ -1,35 +1,62 @@
-"""Benchmark: cupy-rope against a device copy of the same bytes and against peer implementations.
+"""The cupy-rope benchmark: every workload, forward and backward, in one command.
 
-``python -m benchmarks.bench [--workloads A,B] [--filter REGEX] [--peers LIST]
-[--json FILE] [--plot FILE.png] [--reps N] [--sets N] [--no-host] [--no-check]
-[--strict] [--list]``; importable as ``run(...)``.
+Run it from the repository root on a machine with a CUDA GPU::
 
-Method. Every workload runs forward and backward for cupy-rope and for each
-peer present (``cupy_rope.peers``: the PyTorch formula eager and under
-``torch.compile``, Liger's Triton kernel, FlashInfer) on the same inputs.
-A time is the median over ``reps`` calls, each between its own pair of CUDA
-events, after a warm-up, rotating among ``sets`` input sets so that the L2
-cache does not flatter; all timed calls are queued behind a kernel that
-spins on the GPU (long enough for the host to enqueue them all; checked
-after the fact), so the events time GPU work and not the Python cost of a
-call. The bytes of a workload are the reads and writes of x (or q and k)
-and of the outputs that any implementation must do: read once and write
-once, only the rotated channels for partial rotary in place (angle tables
-and positions are not counted). "of copy" is the time of a device-to-device
-copy moving the same bytes (half read, half written), measured in the same
-run, divided by the workload's time. "speedup" is the best peer's time over
-cupy-rope's. Every output is first checked against a float32 reference
-(max error / max |reference|), and a peer that disagrees is not counted.
-On thd workloads the peers take per-token positions, gathered from
-cu_seqlens outside their timed call; cupy-rope is timed with cu_seqlens (it
-finds each token's sequence itself) and, as "cupy-rope pos", on the same
-positions the peers get: the row that acceptance item [1b] compares there.
+    python -m benchmarks.bench --json bench.json --plot bench.png   # everything
+    python -m benchmarks.bench --list                               # the workloads
+    python -m benchmarks.bench --filter '^thd' --peers none --no-host   # a quick subset
 
-The host cost of a cached call (decode, 64 tokens) is timed separately:
-many calls timed on the host with one synchronization at the end, with torch
-tensors and with CuPy arrays, and the per-call time of 100 calls captured in
-a CUDA graph and replayed. The acceptance items of issue 6 are printed as
-PASS/FAIL/SKIP lines, then the table.
+It prints the decode host cost, the criteria (PASS/FAIL/SKIP, see
+``CRITERIA``) and one table; ``--json`` keeps everything as data.
+
+What it measures
+----------------
+Each workload (``--list``) runs forward and backward for cupy-rope and, side
+by side on the same inputs, for each peer that imports here
+(``benchmarks/peers.py``: the PyTorch formula eager and under
+``torch.compile``, Liger's Triton kernel, FlashInfer).
+
+* A time is the median over ``--reps`` calls, each between its own pair of
+  CUDA events, after a warm-up, rotating among ``--sets`` input sets so that
+  the L2 cache does not flatter. The timed calls are queued behind a kernel
+  that spins on the GPU until the host has enqueued them all (checked after
+  the fact), so the events time GPU work, not Python.
+* "of copy": every workload is timed against a device-to-device copy of the
+  same bytes, measured the same way in the same run: the copy's time over
+  the workload's (1.0 is the copy roofline). The bytes are the reads and
+  writes of x (or q and k) and of the outputs that any implementation must
+  do: read once, write once, only the rotated channels for partial rotary in
+  place; angle tables and positions are not counted.
+* "speedup": the best peer's time over cupy-rope's.
+* Every output is first checked against a float32 reference (max error over
+  max |reference|); a peer that disagrees is marked and not counted.
+* thd workloads: the peers take per-token positions, gathered from
+  cu_seqlens outside their timed call; cupy-rope is timed with cu_seqlens
+  ("cupy-rope") and on the same positions the peers get ("cupy-rope pos").
+* Decode host cost: a cached decode call (64 tokens) timed on the host, many
+  calls per synchronization, with torch tensors and with CuPy arrays, through
+  ``apply_rope_qk``, ``RotaryEmbedding.qk_`` and the bare kernel launch, in
+  interleaved rounds; and per call of 100 calls captured in a CUDA graph and
+  replayed.
+
+Comparing two versions of the code
+----------------------------------
+Run each tree's benchmark on the same GPU in one session and compare the two
+JSON files (``benchmarks/compare.py``). The tree before the package split
+keeps its harness inside the package; run it from that tree's root, since
+``python -m`` puts the current folder first on the path and this tree's
+``cupy_rope`` would be imported instead::
+
+    (cd /path/to/old/tree && python -m cupy_rope.bench --json /tmp/old.json)
+    python -m benchmarks.bench --json /tmp/new.json
+    python -m benchmarks.compare /tmp/old.json /tmp/new.json
+
+``SKIP_TESTS=1 SKIP_SANITIZE=1 BASELINE=/path/to/old/tree bash tools/gpu_suite.sh``
+does all three in one call. Give both runs the same flags (the old harness
+takes the same ones); ``--peers none`` leaves out the peers, which
+``compare`` does not read, and shortens each run the most.
+
+Importable as :func:`run`, which returns the same dict that ``--json`` writes.
 """
 
 from __future__ import annotations
@@ -42,39 +69,34 @@ import re
 import statistics
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from benchmarks import peers as peers_mod
+from benchmarks.peers import Prepared, Unusable
+
 OURS = "cupy-rope"
 #: thd workloads also time cupy-rope on the per-token positions the peers are
-#: handed (gathered from cu_seqlens outside their timed call): the same
-#: inputs, so acceptance [1b] compares this row on thd.
+#: handed, so that the comparison with the peers is on the same inputs.
 OURS_POSITIONS = "cupy-rope pos"
 OURS_IMPLS = (OURS, OURS_POSITIONS)
+DIRECTIONS = ("fwd", "bwd")
 MiB = 1 << 20
 #: Workloads moving at least this many bytes are held to the copy roofline.
 ROOFLINE_MIN_BYTES = 64 * MiB
 #: Correctness tolerance: max |out - ref| / max |ref| per storage dtype.
 CHECK_TOLERANCE = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 1e-4}
-#: Sizes of the host-cost microbenchmark.
+#: Calls per pass of the host-cost timings.
 HOST_CALLS = 2000
-#: Timed passes of a peer's host timing (HOST_CALLS / 4 calls each); the
-#: median pass is reported (and the range).
+#: Timed passes of a peer's host timing (HOST_CALLS / 4 calls each).
 HOST_REPEATS = 5
-#: Rounds of the decode step's host timings: each round times one pass of
-#: every variant in turn (apply_rope_qk, RotaryEmbedding.qk_ and the bare
-#: launch, torch and CuPy, and torch's x.add_(1)), so that a slow phase of
-#: the host (on the pool's machines one lasts from a few passes to seconds:
-#: run 2026-11-24o's torch qk_ passes went 7.0, 10.3, 10.7, 10.6, 10.4 us
-#: while the CuPy ones timed next held 6.8-7.0) falls on all of them alike
-#: instead of on whichever was timed then.
+#: Rounds of the decode step's host timings. Each round times one pass of
+#: every variant in turn, so that a slow phase of a shared host falls on all
+#: variants alike instead of on whichever was being timed then.
 HOST_ROUNDS = 9
-#: Each host timing first calls for at least this long (seconds), so that
-#: the passes see the host's steady state: right after the GPU workloads the
-#: bare launch's passes fell from 8.4 to 4.3 us over the first 0.1 s while
-#: the same launch timed a moment later held 3.1 us (run 2026-11-24,
-#: docs/perf-notes.md v16).
+#: Seconds each host timing first runs untimed: right after the GPU
+#: workloads the host takes a while to reach its steady state.
 HOST_WARMUP_S = 0.5
 GRAPH_CALLS = 100
 NO_TORCH = "torch not available"
@@ -82,6 +104,10 @@ NO_TORCH = "torch not available"
 
 def _log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _exc_text(exc: BaseException) -> str:
+    return f"{exc.__class__.__name__}: {exc}"
 
 
 # ----------------------------------------------------------------------------
@@ -287,8 +313,13 @@ def _sync() -> None:
     cupy.cuda.Device().synchronize()
 
 
-def time_call(fn, sets, reps=30, warmup=5):
-    """(median ms, held) of ``fn(*set)`` over ``reps`` calls rotating through ``sets``.
+class Timed(NamedTuple):
+    ms: float      # median milliseconds per call
+    held: bool     # the host enqueued every call before the spin ended
+
+
+def time_call(fn, sets, reps=30, warmup=5) -> Timed:
+    """Median time of ``fn(*set)`` over ``reps`` calls rotating through ``sets``.
 
     Each call sits between its own pair of CUDA events; all calls are queued
     behind a spinning kernel sized from the host cost of a call, and
@@ -323,12 +354,12 @@ def time_call(fn, sets, reps=30, warmup=5):
         if held:
             break
         hold = min(hold * 4, 16000.0)
-    return statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in events), held
+    return Timed(statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in events), held)
 
 
 def time_ms(fn, sets, reps=30, warmup=5):
     """Median milliseconds of ``fn(*set)`` over ``reps``, rotating through ``sets``."""
-    return time_call(fn, sets, reps, warmup)[0]
+    return time_call(fn, sets, reps, warmup).ms
 
 
 def copy_ms(nbytes, n_sets=3, reps=30):
@@ -439,7 +470,7 @@ class _Env:
         tptr = self.torch.cuda.current_stream().cuda_stream
         if tptr == self.cupy.cuda.get_current_stream().ptr:
             return contextlib.nullcontext()
-        from .interop import external_stream
+        from cupy_rope.interop import external_stream
 
         return external_stream(tptr, self.torch.cuda.current_device())
 
@@ -548,8 +579,6 @@ def _decode_form(ctx: Context, env: _Env, fw=None) -> str:
     fw = fw or env.fw
     if fw in _DECODE_FORM:
         return _DECODE_FORM[fw]
-    if not hasattr(cr, "apply_rope_qk"):
-        raise RuntimeError("cupy_rope has no apply_rope_qk yet")
     w = ctx.w
     errors = []
     n = min(2, int(ctx.positions.shape[0]))
@@ -563,46 +592,56 @@ def _decode_form(ctx: Context, env: _Env, fw=None) -> str:
             _DECODE_FORM[fw] = form
             return form
         except Exception as exc:  # noqa: BLE001
-            errors.append(f"{form}: {exc.__class__.__name__}: {exc}")
+            errors.append(f"{form}: {_exc_text(exc)}")
     raise RuntimeError("apply_rope_qk refused every decode form (" + "; ".join(errors) + ")")
 
 
 def prepare_ours(w: Workload, ctx: Context, env: _Env, positions: bool = False):
-    """cupy-rope bound to a workload (a peers.Prepared), or an error string;
-    ``positions`` (thd): at the per-token positions the peers get instead of
-    cu_seqlens."""
+    """cupy-rope bound to a workload: a :class:`Prepared`, or an :class:`Unusable`.
+
+    ``positions`` (thd): call at the per-token positions the peers get
+    instead of with cu_seqlens.
+    """
     import cupy_rope as cr
 
-    from benchmarks.peers import Prepared
-
-    r = w.rotary_dim
-    cos, sin = ctx.cos_half, ctx.sin_half
     if w.kind in ("single", "thd"):
-        kw = {"layout": w.layout, "rotary_dim": r, "interleaved": w.interleaved}
-        if w.kind == "thd":
-            if positions:
-                kw["positions"] = ctx.positions
-            else:
-                kw["cu_seqlens"] = ctx.cu_seqlens
-        if w.mode == "inplace":
-            call = {b: (lambda x, _b=b: cr.apply_rope(x, cos, sin, inplace=True, backward=_b,
-                                                      **kw)) for b in (False, True)}
-            return Prepared(lambda s: (s["x"],), call, lambda a, ret: [a[0]], "in place")
-        call = {b: (lambda x, out, _b=b: cr.apply_rope(x, cos, sin, out=out, backward=_b, **kw))
-                for b in (False, True)}
-        return Prepared(lambda s: (s["x"], s["out"]), call, lambda a, ret: [a[1]], "out=")
-    if not hasattr(cr, "apply_rope_qk"):
-        return "error: cupy_rope has no apply_rope_qk yet"
+        return _prepare_single(cr, w, ctx, positions)
     if w.kind == "qk":
-        call = {b: (lambda q, k, oq, ok, _b=b: cr.apply_rope_qk(
-            q, k, cos, sin, layout=w.layout, rotary_dim=r, out_q=oq, out_k=ok, backward=_b))
+        return _prepare_qk(cr, w, ctx)
+    return _prepare_decode(cr, w, ctx, env)
+
+
+def _prepare_single(cr, w, ctx, positions):
+    cos, sin = ctx.cos_half, ctx.sin_half
+    kw = {"layout": w.layout, "rotary_dim": w.rotary_dim, "interleaved": w.interleaved}
+    if w.kind == "thd":
+        if positions:
+            kw["positions"] = ctx.positions
+        else:
+            kw["cu_seqlens"] = ctx.cu_seqlens
+    if w.mode == "inplace":
+        call = {b: (lambda x, _b=b: cr.apply_rope(x, cos, sin, inplace=True, backward=_b, **kw))
+                for b in (False, True)}
+        return Prepared(lambda s: (s["x"],), call, lambda a, ret: [a[0]], "in place")
+    call = {b: (lambda x, out, _b=b: cr.apply_rope(x, cos, sin, out=out, backward=_b, **kw))
             for b in (False, True)}
-        return Prepared(lambda s: (s["q"], s["k"], s["out_q"], s["out_k"]), call,
-                        lambda a, ret: [a[2], a[3]], "out_q=, out_k=")
+    return Prepared(lambda s: (s["x"], s["out"]), call, lambda a, ret: [a[1]], "out=")
+
+
+def _prepare_qk(cr, w, ctx):
+    cos, sin, r = ctx.cos_half, ctx.sin_half, w.rotary_dim
+    call = {b: (lambda q, k, oq, ok, _b=b: cr.apply_rope_qk(
+        q, k, cos, sin, layout=w.layout, rotary_dim=r, out_q=oq, out_k=ok, backward=_b))
+        for b in (False, True)}
+    return Prepared(lambda s: (s["q"], s["k"], s["out_q"], s["out_k"]), call,
+                    lambda a, ret: [a[2], a[3]], "out_q=, out_k=")
+
+
+def _prepare_decode(cr, w, ctx, env):
     try:
         form = _decode_form(ctx, env)
     except Exception as exc:  # noqa: BLE001
-        return f"error: {exc}"
+        return Unusable("error", str(exc))
     kws = {b: _decode_kwargs(form, ctx, b) for b in (False, True)}
     call = {b: (lambda q, k, _kw=kws[b]: cr.apply_rope_qk(q, k, **_kw)) for b in (False, True)}
     return Prepared(lambda s: _decode_views(form, s["q"], s["k"]), call,
@@ -668,7 +707,7 @@ def check_outputs(w, ctx, prepared, base_set, env) -> dict:
     for b in (False, True):
         refs = reference(w, ctx, [pristine[n] for n in names], b, env.torch)
         for name, prep in prepared:
-            if isinstance(prep, str):
+            if isinstance(prep, Unusable):
                 continue
             st = args = got = None
             try:
@@ -677,7 +716,7 @@ def check_outputs(w, ctx, prepared, base_set, env) -> dict:
                 got = prep.result(args, prep.call[b](*args))
                 checks[name, b] = max(_rel_err(g, r) for g, r in zip(got, refs))
             except Exception as exc:  # noqa: BLE001
-                checks[name, b] = f"{exc.__class__.__name__}: {exc}"
+                checks[name, b] = _exc_text(exc)
             del st, args, got
         del refs
     del pristine
@@ -686,15 +725,8 @@ def check_outputs(w, ctx, prepared, base_set, env) -> dict:
     return checks
 
 
-def _run_workload(w, env, peer_objs, reps, n_sets, warmup, check):
-    rows = []
-    ctx = make_context(w, env)
-    sets = [make_set(w, env) for _ in range(n_sets)]
-    env.sync()
-    t_copy = copy_ms(w.copy_bytes(), n_sets, reps)
-    copy_info = {"copy_time_us": t_copy * 1e3,
-                 "copy_bandwidth_GBps": w.moved_bytes() / (t_copy * 1e-3) / 1e9}
-
+def _prepare_all(w, ctx, env, peer_objs) -> list:
+    """[(impl, Prepared or Unusable)]: cupy-rope (twice on thd), then each peer."""
     impls = ([(OURS, None)] + ([(OURS_POSITIONS, None)] if w.kind == "thd" else [])
              + [(p.name, p) for p in peer_objs])
     prepared = []
@@ -703,52 +735,57 @@ def _run_workload(w, env, peer_objs, reps, n_sets, warmup, check):
             prep = (prepare_ours(w, ctx, env, positions=name == OURS_POSITIONS)
                     if peer is None else peer.prepare(w, ctx))
         except Exception as exc:  # noqa: BLE001
-            prep = f"error: {exc.__class__.__name__}: {exc}"
+            prep = Unusable("error", _exc_text(exc))
         prepared.append((name, prep))
+    return prepared
 
-    checks = {}
-    if check and env.torch is not None:
-        checks = check_outputs(w, ctx, prepared, sets[0], env)
-    tol = CHECK_TOLERANCE[w.dtype]
 
-    for name, prep in prepared:
-        if isinstance(prep, str):
-            status = "n/a" if prep.startswith("n/a") else "error"
-            reason = prep.split(": ", 1)[1] if ": " in prep else prep
-            rows += [_row(w, d, name, status, reason, **copy_info) for d in ("fwd", "bwd")]
-            continue
-        arg_sets = [prep.make_args(s) for s in sets]
-        for b, direction in ((False, "fwd"), (True, "bwd")):
-            err = checks.get((name, b))
-            if isinstance(err, str):
-                rows.append(_row(w, direction, name, "error", f"check call failed: {err}",
-                                 **copy_info))
-                continue
-            try:
-                t, held = time_call(prep.call[b], arg_sets, reps, warmup)
-            except Exception as exc:  # noqa: BLE001
-                rows.append(_row(w, direction, name, "error", f"{exc.__class__.__name__}: {exc}",
-                                 **copy_info))
-                continue
-            note = prep.note
-            status = "ok"
-            if err is not None and err > tol:
-                status = "mismatch"
-                note = f"{note}; output differs from the reference by {err:.2g}"
-            if not held:
-                note += "; host-bound: the spin ended before all calls were queued"
-            rows.append(_row(w, direction, name, status, note, time_us=t * 1e3,
-                             bandwidth_GBps=w.moved_bytes() / (t * 1e-3) / 1e9,
-                             fraction_of_copy=t_copy / t, check_error=err, held=held,
-                             **copy_info))
-            _log(f"{w.name} {direction} {name}: {t * 1e3:.1f} us, {t_copy / t:.3f} of copy"
-                 + (f", err {err:.1e}" if err is not None else "") + f" [{status}]")
-        del arg_sets
-    del sets, prepared
-    env.sync()
-    env.free()
+@dataclasses.dataclass
+class _WorkloadTiming:
+    """What every implementation's timing on one workload shares."""
 
-    for direction in ("fwd", "bwd"):
+    w: Workload
+    sets: list
+    copy_info: dict   # the same-run copy's copy_time_us and copy_bandwidth_GBps
+    checks: dict      # check_outputs' result (empty without the check)
+    reps: int
+    warmup: int
+
+    def rows(self, name, prep) -> list:
+        """The fwd and bwd rows of one implementation."""
+        if isinstance(prep, Unusable):
+            return [_row(self.w, d, name, prep.status, prep.reason, **self.copy_info)
+                    for d in DIRECTIONS]
+        arg_sets = [prep.make_args(s) for s in self.sets]
+        return [self._timed_row(name, prep, arg_sets, b) for b in (False, True)]
+
+    def _timed_row(self, name, prep, arg_sets, backward) -> dict:
+        w, direction = self.w, DIRECTIONS[backward]
+        err = self.checks.get((name, backward))
+        if isinstance(err, str):
+            return _row(w, direction, name, "error", f"check call failed: {err}",
+                        **self.copy_info)
+        try:
+            t, held = time_call(prep.call[backward], arg_sets, self.reps, self.warmup)
+        except Exception as exc:  # noqa: BLE001
+            return _row(w, direction, name, "error", _exc_text(exc), **self.copy_info)
+        note, status = prep.note, "ok"
+        if err is not None and err > CHECK_TOLERANCE[w.dtype]:
+            status = "mismatch"
+            note = f"{note}; output differs from the reference by {err:.2g}"
+        if not held:
+            note += "; host-bound: the spin ended before all calls were queued"
+        of_copy = self.copy_info["copy_time_us"] / (t * 1e3)
+        _log(f"{w.name} {direction} {name}: {t * 1e3:.1f} us, {of_copy:.3f} of copy"
+             + (f", err {err:.1e}" if err is not None else "") + f" [{status}]")
+        return _row(w, direction, name, status, note, time_us=t * 1e3,
+                    bandwidth_GBps=w.moved_bytes() / (t * 1e-3) / 1e9,
+                    fraction_of_copy=of_copy, check_error=err, held=held, **self.copy_info)
+
+
+def _mark_best_peer(rows) -> None:
+    """Give cupy-rope's rows the best peer's name, time and the speedup over it."""
+    for direction in DIRECTIONS:
         peers_ok = [r for r in rows if r["impl"] not in OURS_IMPLS
                     and r["direction"] == direction and r["status"] == "ok"]
         if not peers_ok:
@@ -759,6 +796,28 @@ def _run_workload(w, env, peer_objs, reps, n_sets, warmup, check):
             ours["best_peer_time_us"] = best["time_us"]
             if ours["status"] == "ok":
                 ours["speedup_vs_best_peer"] = best["time_us"] / ours["time_us"]
+
+
+def _run_workload(w, env, peer_objs, reps, n_sets, warmup, check) -> list:
+    """Every implementation's fwd and bwd rows on one workload."""
+    ctx = make_context(w, env)
+    sets = [make_set(w, env) for _ in range(n_sets)]
+    env.sync()
+    t_copy = copy_ms(w.copy_bytes(), n_sets, reps)
+    copy_info = {"copy_time_us": t_copy * 1e3,
+                 "copy_bandwidth_GBps": w.moved_bytes() / (t_copy * 1e-3) / 1e9}
+    prepared = _prepare_all(w, ctx, env, peer_objs)
+    checks = {}
+    if check and env.torch is not None:
+        checks = check_outputs(w, ctx, prepared, sets[0], env)
+    timing = _WorkloadTiming(w, sets, copy_info, checks, reps, warmup)
+    rows = []
+    for name, prep in prepared:
+        rows += timing.rows(name, prep)
+    del timing, sets, prepared
+    env.sync()
+    env.free()
+    _mark_best_peer(rows)
     return rows
 
 
@@ -779,26 +838,8 @@ def _versions(env, peer_objs) -> dict:
     return v
 
 
-def run(workloads=None, *, peers="all", reps=30, n_sets=3, warmup=5, check=True, host=True,
-        checkpoint=None, arrays="torch") -> dict:
-    """Run the benchmark and return the result (a JSON-ready dict).
-
-    ``workloads``: Workload objects or names (default: all of ``WORKLOADS``);
-    ``peers``: "all", None/"none"/() for none, or names from ``cupy_rope.peers``;
-    ``host``: also time the host cost of a cached decode call and CUDA-graph
-    replay; ``check``: compare every output with a float32 reference first;
-    ``checkpoint(result)`` is called after each workload (partial results);
-    ``arrays``: "torch" (torch tensors when torch sees the GPU, else CuPy) or
-    "cupy" (CuPy arrays, no peers, no check).
-    """
-    import cupy
-
-    from benchmarks import peers as peers_mod
-
-    if workloads is None:
-        workloads = WORKLOADS
-    workloads = [w if isinstance(w, Workload) else select_workloads([w])[0] for w in workloads]
-    env = _Env(use_torch=arrays != "cupy")
+def _present_peers(peers, env):
+    """(peer objects usable here, {name: "present" or "absent: why"})."""
     candidates = [] if peers in (None, "none", (), []) else peers_mod.make(peers)
     if env.torch is None:
         candidates = []
@@ -808,8 +849,57 @@ def run(workloads=None, *, peers="all", reps=30, n_sets=3, warmup=5, check=True,
         peer_status[p.name] = "present" if reason is None else f"absent: {reason}"
         if reason is None:
             peer_objs.append(p)
-    dev = cupy.cuda.Device()
-    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    return peer_objs, peer_status
+
+
+def run(workloads=None, *, peers="all", reps=30, n_sets=3, warmup=5, check=True, host=True,
+        checkpoint=None, arrays="torch") -> dict:
+    """Run the benchmark on the current CUDA device.
+
+    Parameters
+    ----------
+    workloads : list of Workload or str, optional
+        Workloads or their names (default: all of ``WORKLOADS``).
+    peers : str or sequence of str
+        ``"all"`` (every peer that imports here), ``"none"`` (or None or ()),
+        or names from ``benchmarks.peers.NAMES``, comma-separated or a list.
+    reps, n_sets, warmup : int
+        Timed calls per row (the median is kept), input sets rotated between
+        calls, untimed calls first.
+    check : bool
+        Compare every output with a float32 reference first (needs torch).
+    host : bool
+        Also time the host cost of a cached decode call and CUDA-graph replay.
+    checkpoint : callable, optional
+        Called with the partial result after each workload and at the end.
+    arrays : {"torch", "cupy"}
+        Torch tensors (when torch sees the GPU, else CuPy arrays), or CuPy
+        arrays (then no peers and no check).
+
+    Returns
+    -------
+    dict
+        JSON-ready: device, arrays, config, peers, versions, workloads, rows
+        (one per workload, implementation and direction), host (if timed) and
+        acceptance (each of ``CRITERIA`` judged).
+
+    Raises
+    ------
+    ValueError
+        If a workload or peer name is unknown.
+
+    Example
+    -------
+    >>> result = run(["thd-n1"], peers="none", host=False)  # doctest: +SKIP
+    >>> print(format_table(result))  # doctest: +SKIP
+    """
+    import cupy
+
+    workloads = [w if isinstance(w, Workload) else select_workloads([w])[0]
+                 for w in (WORKLOADS if workloads is None else workloads)]
+    env = _Env(use_torch=arrays != "cupy")
+    peer_objs, peer_status = _present_peers(peers, env)
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     result = {"device": props["name"].decode(), "arrays": env.fw,
               "config": {"reps": reps, "sets": n_sets, "warmup": warmup, "check": check},
               "peers": peer_status, "versions": _versions(env, peer_objs),
@@ -820,9 +910,8 @@ def run(workloads=None, *, peers="all", reps=30, n_sets=3, warmup=5, check=True,
             try:
                 result["rows"] += _run_workload(w, env, peer_objs, reps, n_sets, warmup, check)
             except Exception as exc:  # noqa: BLE001
-                _log(f"{w.name} failed: {exc.__class__.__name__}: {exc}")
-                result["rows"] += [_row(w, d, OURS, "error", f"{exc.__class__.__name__}: {exc}")
-                                   for d in ("fwd", "bwd")]
+                _log(f"{w.name} failed: {_exc_text(exc)}")
+                result["rows"] += [_row(w, d, OURS, "error", _exc_text(exc)) for d in DIRECTIONS]
                 env.free()
             if checkpoint:
                 checkpoint(result)
@@ -838,16 +927,27 @@ def run(workloads=None, *, peers="all", reps=30, n_sets=3, warmup=5, check=True,
 # Host cost of a cached call.
 
 
+class HostEntry(NamedTuple):
+    """A host-timed callable: ``name`` keys its figures in the result,
+    ``label`` (or the name) is what the log calls it."""
+
+    name: str
+    fn: Callable[[], Any]
+    label: str | None = None
+
+
 def _time_host_rounds(out, entries, calls, rounds=HOST_ROUNDS):
-    """Time host-bound callables in interleaved rounds: ``entries`` are
-    (name, fn, label). Each entry first runs for at least ``calls / 10``
-    calls and ``HOST_WARMUP_S / len(entries)`` seconds (the whole warm-up
-    lasts HOST_WARMUP_S); then every round runs one
-    pass of ``calls`` calls of each entry in turn, with one synchronization
-    per pass. out[name + "_us_per_call"] is the median over the rounds,
-    out[name + "_us_per_call_runs"] every round's pass. An entry that raises
-    is dropped from the later rounds and leaves out[name + "_error"] (and
-    no times); the others are timed on. One entry: plain repeated passes."""
+    """Time host-bound callables (:class:`HostEntry`) in interleaved rounds.
+
+    Each entry first runs for at least ``calls / 10`` calls and
+    ``HOST_WARMUP_S / len(entries)`` seconds (the whole warm-up lasts
+    HOST_WARMUP_S); then every round runs one pass of ``calls`` calls of each
+    entry in turn, with one synchronization per pass. out[name +
+    "_us_per_call"] is the median over the rounds, out[name +
+    "_us_per_call_runs"] every round's pass. An entry that raises is dropped
+    from the later rounds and leaves out[name + "_error"] (and no times); the
+    others are timed on. One entry: plain repeated passes.
+    """
     failed = {}
 
     def attempt(name, fn, n):
@@ -889,130 +989,139 @@ def _time_host_rounds(out, entries, calls, rounds=HOST_ROUNDS):
 
 
 def _bare_launch(rope):
-    """The kernel of ``rope``'s cached qk_ plan, launched with its packed
+    """The kernel of ``rope``'s cached qk_ launcher, launched with its packed
     parameters straight through CuPy's driver.launchKernel on the same
     stream, with a grid of one block (the GPU runs such launches faster than
     the host issues them, so this times the host): the driver's part of a
-    bound call. None when rope has no cached launcher."""
-    from cupy.cuda import driver
+    bound call. None when rope has no cached launcher.
 
-    from cupy_rope import launch
+    Reads the launcher's ``plan`` (``cupy_rope.launch.Plan``): its
+    ``kernel``, ``dims``, ``device_id``, ``stream``, ``own_buffer`` and
+    ``empty``.
+    """
+    from cupy.cuda import driver
 
     go = next(iter(rope._fast.values()), None) if rope._fast else None
     plan = getattr(go, "plan", None)
-    if not isinstance(plan, launch.Plan) or plan.empty:
+    if plan is None or plan.empty:
         return None
     args = plan.own_buffer()[1]
     stream = plan.stream(plan.device_id)
     return lambda: driver.launchKernel(plan.kernel, 1, 1, 1, *plan.dims[3:], 0, stream, args, 0)
 
 
-def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=20,
-                  peer_objs=(), rounds=HOST_ROUNDS) -> dict:
-    """Microseconds per call of a cached decode step (q32/k8 d128, 64 tokens,
-    bf16, ``apply_rope_qk`` in place at positions [64] into an fp32 cos|sin
-    cache): ``calls`` calls timed on the host, one synchronization at the end,
-    in ``HOST_ROUNDS`` interleaved rounds after a warm-up (each round times
-    one pass of every variant: apply_rope_qk, RotaryEmbedding.qk_ and the
-    bare launch, with torch tensors and with CuPy arrays, and torch's
-    x.add_(1)), the median pass reported (``*_runs`` holds every round's);
-    and the per-call GPU time of
-    ``graph_calls`` calls captured in a torch CUDA graph and replayed. For
-    context, ``peer_objs`` get the same host-timed loop (their own calls on
-    the same workload, passes of ``calls / 4``)."""
+def _add_decode_entries(entries, out, env, w, fw) -> None:
+    """Append the decode step's host-timed variants with ``fw`` arrays:
+    apply_rope_qk, then (with the cos|sin cache) RotaryEmbedding.qk_ and its
+    kernel launched bare. A failure is recorded in ``out`` and ends the list
+    for this framework."""
     import cupy_rope as cr
 
-    env = env or _Env()
-    w = select_workloads(["decode-qk-t64"])[0]
-    rounds = max(1, int(rounds or HOST_ROUNDS))
-    out = {"workload": w.title, "calls": calls, "rounds": rounds,
-           "graph_calls": graph_calls}
-    entries = []
-    for fw in ("torch", "cupy"):
-        out[f"{fw}_us_per_call"] = None
-        if fw == "torch" and env.torch is None:
-            out[f"{fw}_error"] = NO_TORCH
-            continue
+    out[f"{fw}_us_per_call"] = None
+    if fw == "torch" and env.torch is None:
+        out[f"{fw}_error"] = NO_TORCH
+        return
+    try:
+        ctx = make_context(w, env, fw)
+        form = out["form"] = _decode_form(ctx, env, fw)
+        kw = _decode_kwargs(form, ctx)
+        q, k = _decode_views(form, env.randn(w.shape, w.dtype, fw),
+                             env.randn(w.k_shape, w.dtype, fw))
+        cr.apply_rope_qk(q, k, **kw)
+        call = (lambda q=q, k=k, kw=kw: cr.apply_rope_qk(q, k, **kw))
+        entries.append(HostEntry(fw, call, fw))
+        if form != "thd-cache":
+            return
+        # The bound form: tables and options given once, q, k, positions per call.
+        rope = cr.RotaryEmbedding(cos_sin_cache=ctx.cache, layout="thd")
+        pos = kw["positions"]
+        rope.qk_(q, k, pos)
+        rope.qk_(q, k, pos)  # the second call finds the cached launcher
+        entries.append(HostEntry(f"{fw}_bound", lambda rope=rope, q=q, k=k, pos=pos:
+                                 rope.qk_(q, k, pos), "RotaryEmbedding.qk_"))
         try:
-            ctx = make_context(w, env, fw)
-            form = out["form"] = _decode_form(ctx, env, fw)
-            kw = _decode_kwargs(form, ctx)
-            q, k = _decode_views(form, env.randn(w.shape, w.dtype, fw),
-                                 env.randn(w.k_shape, w.dtype, fw))
-            cr.apply_rope_qk(q, k, **kw)
-            entries.append((fw, lambda q=q, k=k, kw=kw: cr.apply_rope_qk(q, k, **kw), fw))
-            if form == "thd-cache" and hasattr(cr, "RotaryEmbedding"):
-                # The bound form: tables and options given once, q, k, positions per call.
-                rope = cr.RotaryEmbedding(cos_sin_cache=ctx.cache, layout="thd")
-                pos = kw["positions"]
-                rope.qk_(q, k, pos)
-                rope.qk_(q, k, pos)  # the second call finds the cached launcher
-                entries.append((f"{fw}_bound", lambda rope=rope, q=q, k=k, pos=pos:
-                                rope.qk_(q, k, pos), "RotaryEmbedding.qk_"))
-                try:
-                    bare = _bare_launch(rope)
-                except Exception as exc:  # noqa: BLE001
-                    bare = None
-                    out[f"{fw}_launch_error"] = f"{exc.__class__.__name__}: {exc}"
-                if bare is not None:
-                    entries.append((f"{fw}_launch", bare,
-                                    "the same kernel launched bare (one block)"))
+            bare = _bare_launch(rope)
         except Exception as exc:  # noqa: BLE001
-            out[f"{fw}_error"] = f"{exc.__class__.__name__}: {exc}"
-            _log(f"host: {fw} failed: {out[f'{fw}_error']}")
-    if env.torch is not None:
-        # The host's own speed, for reading the numbers above across machines:
-        # torch's cheapest call that launches a kernel.
-        small = env.torch.zeros(16, device="cuda")
-        entries.append(("torch_add", lambda: small.add_(1), "torch x.add_(1), 16 floats"))
-    _time_host_rounds(out, entries, calls, rounds)
+            bare = None
+            out[f"{fw}_launch_error"] = _exc_text(exc)
+        if bare is not None:
+            entries.append(HostEntry(f"{fw}_launch", bare,
+                                     "the same kernel launched bare (one block)"))
+    except Exception as exc:  # noqa: BLE001
+        out[f"{fw}_error"] = _exc_text(exc)
+        _log(f"host: {fw} failed: {out[f'{fw}_error']}")
+
+
+def _add_python_share(out) -> None:
+    """Python's part of a bound call: each round's qk_ pass less the same
+    round's bare launch, median over the rounds."""
     for fw in ("torch", "cupy"):
-        # Python's part of a bound call: the round's qk_ pass less the same
-        # round's bare launch, median over the rounds.
-        b, l = out.get(f"{fw}_bound_us_per_call_runs"), out.get(f"{fw}_launch_us_per_call_runs")
-        if b and l:
-            out[f"{fw}_python_us_per_call"] = statistics.median(x - y for x, y in zip(b, l))
-    out["peers_us_per_call"] = {}
+        bound = out.get(f"{fw}_bound_us_per_call_runs")
+        bare = out.get(f"{fw}_launch_us_per_call_runs")
+        if bound and bare:
+            out[f"{fw}_python_us_per_call"] = statistics.median(
+                x - y for x, y in zip(bound, bare))
+
+
+def _peer_host_costs(env, w, peer_objs, calls) -> dict:
+    """{peer: microseconds per call} of each peer's own call on ``w``, host-timed."""
+    costs = {}
     for p in peer_objs:
         try:
             ctx = make_context(w, env, "torch")
             prep = p.prepare(w, ctx)
-            if isinstance(prep, str):
+            if isinstance(prep, Unusable):
                 continue
             args = prep.make_args(make_set(w, env))
             fn = prep.call[False]
             timed: dict = {}
-            _time_host_rounds(timed, [(p.name, lambda: fn(*args), None)], max(1, calls // 4),
-                              HOST_REPEATS)
+            _time_host_rounds(timed, [HostEntry(p.name, lambda: fn(*args))],
+                              max(1, calls // 4), HOST_REPEATS)
             if f"{p.name}_error" in timed:
                 continue  # logged by _time_host_rounds
-            out["peers_us_per_call"][p.name] = timed[f"{p.name}_us_per_call"]
+            costs[p.name] = timed[f"{p.name}_us_per_call"]
         except Exception as exc:  # noqa: BLE001
-            _log(f"host: peer {p.name} failed: {exc.__class__.__name__}: {exc}")
-    out["graph_us_per_call"] = None
+            _log(f"host: peer {p.name} failed: {_exc_text(exc)}")
+    return costs
+
+
+def _captured_decode_graph(env, w, graph_calls):
+    """A torch CUDA graph of ``graph_calls`` decode calls, replayed once."""
+    import cupy_rope as cr
+
+    torch = env.torch
+    ctx = make_context(w, env, "torch")
+    form = _decode_form(ctx, env, "torch")
+    kw = _decode_kwargs(form, ctx)
+    q, k = _decode_views(form, env.randn(w.shape, w.dtype, "torch"),
+                         env.randn(w.k_shape, w.dtype, "torch"))
+    # Warm up on a side stream, as torch asks before a capture.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            cr.apply_rope_qk(q, k, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(graph_calls):
+            cr.apply_rope_qk(q, k, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _graph_replay_cost(env, w, graph_calls, replays) -> dict:
+    """graph_us_per_call (GPU time per call of a replayed graph, by events)
+    and graph_wall_us_per_call, or graph_error."""
+    out = {"graph_us_per_call": None}
     if env.torch is None:
         out["graph_error"] = NO_TORCH
         return out
     torch = env.torch
     try:
-        ctx = make_context(w, env, "torch")
-        form = _decode_form(ctx, env, "torch")
-        kw = _decode_kwargs(form, ctx)
-        q, k = _decode_views(form, env.randn(w.shape, w.dtype, "torch"),
-                             env.randn(w.k_shape, w.dtype, "torch"))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                cr.apply_rope_qk(q, k, **kw)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(graph_calls):
-                cr.apply_rope_qk(q, k, **kw)
-        graph.replay()
-        torch.cuda.synchronize()
+        graph = _captured_decode_graph(env, w, graph_calls)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(replays)]
         with env.stream_context():
@@ -1031,40 +1140,119 @@ def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=2
         out["graph_wall_us_per_call"] = (time.perf_counter() - t0) / (replays * graph_calls) * 1e6
         _log(f"host: CUDA graph replay {out['graph_us_per_call']:.2f} us per call")
     except Exception as exc:  # noqa: BLE001
-        out["graph_error"] = f"{exc.__class__.__name__}: {exc}"
+        out["graph_error"] = _exc_text(exc)
         _log(f"host: CUDA graph failed: {out['graph_error']}")
     return out
 
 
+def host_overhead(env=None, calls=HOST_CALLS, graph_calls=GRAPH_CALLS, replays=20,
+                  peer_objs=(), rounds=HOST_ROUNDS) -> dict:
+    """Host cost of a cached decode step, in microseconds per call.
+
+    The step: q32/k8 d128, 64 tokens, bf16, in place at positions [64] into
+    an fp32 cos|sin cache. ``calls`` calls are timed on the host with one
+    synchronization at the end, in ``rounds`` interleaved rounds after a
+    warm-up; each round times one pass of every variant (apply_rope_qk,
+    RotaryEmbedding.qk_ and the bare launch, with torch tensors and with
+    CuPy arrays, and torch's x.add_(1) as a measure of the host's speed).
+    ``<name>_us_per_call`` is the median pass, ``<name>_us_per_call_runs``
+    every round's. ``graph_us_per_call``: GPU time per call of
+    ``graph_calls`` calls captured in a torch CUDA graph and replayed.
+    ``peers_us_per_call``: for context, each of ``peer_objs`` in the same
+    host-timed loop (its own call on the same workload, passes of
+    ``calls / 4``).
+    """
+    env = env or _Env()
+    w = select_workloads(["decode-qk-t64"])[0]
+    rounds = max(1, int(rounds or HOST_ROUNDS))
+    out = {"workload": w.title, "calls": calls, "rounds": rounds,
+           "graph_calls": graph_calls}
+    entries = []
+    for fw in ("torch", "cupy"):
+        _add_decode_entries(entries, out, env, w, fw)
+    if env.torch is not None:
+        # The host's own speed, for reading the numbers above across machines:
+        # torch's cheapest call that launches a kernel.
+        small = env.torch.zeros(16, device="cuda")
+        entries.append(HostEntry("torch_add", lambda: small.add_(1),
+                                 "torch x.add_(1), 16 floats"))
+    _time_host_rounds(out, entries, calls, rounds)
+    _add_python_share(out)
+    out["peers_us_per_call"] = _peer_host_costs(env, w, peer_objs, calls)
+    out.update(_graph_replay_cost(env, w, graph_calls, replays))
+    return out
+
+
 # ----------------------------------------------------------------------------
-# Acceptance (issue 6), computed from a result dict alone.
+# Criteria, judged from a result dict alone (so also from a saved JSON).
+
+#: [1a] cupy-rope's fraction of copy on every workload moving ROOFLINE_MIN_BYTES.
+ROOFLINE_FRACTION = 0.95
+#: [2] slowest over fastest thd time across the numbers of packed sequences.
+THD_SPREAD_MAX = 1.05
+#: [3] partial rotary in place: time at most (fraction + this) x full rotary's.
+PARTIAL_SLACK = 0.1
+#: [4] strided input over its contiguous twin.
+STRIDED_MAX = 1.05
+#: [5] decode step, end to end per call (microseconds).
+DECODE_HOST_MAX_US = 8.0
+#: [6] CUDA-graph replay per call (microseconds).
+GRAPH_MAX_US = 3.0
+_NO_HOST = "host overhead not measured"
 
 
-def _item(item, what, status, detail, failures=()):
-    return {"item": item, "what": what, "status": status, "detail": detail,
-            "failures": list(failures)}
+class Verdict(NamedTuple):
+    status: str             # "PASS", "FAIL" or "SKIP"
+    detail: str
+    failures: tuple = ()
 
 
-def acceptance(result) -> list:
-    rows = result.get("rows", [])
-    wdefs = {w["name"]: w for w in result.get("workloads", [])}
-    ours = {(r["workload"], r["direction"]): r for r in rows if r["impl"] == OURS}
+def _judged(fails, detail) -> Verdict:
+    return Verdict("FAIL" if fails else "PASS", detail, tuple(fails))
 
-    def t(name, direction):
-        r = ours.get((name, direction))
+
+def _judged_rows(fails, details, empty) -> Verdict:
+    """SKIP with ``empty`` when no row was judged, else PASS or FAIL."""
+    if not (details or fails):
+        return Verdict("SKIP", empty)
+    return _judged(fails, "; ".join(details) or empty)
+
+
+@dataclasses.dataclass
+class _Measured:
+    """A result dict as the criteria read it."""
+
+    wdefs: dict      # workload name -> Workload.describe()
+    ours: dict       # (workload, direction) -> cupy-rope's row
+    ours_pos: dict   # the same for cupy-rope at the peers' positions (thd)
+    host: Any        # host_overhead's dict, or None
+
+    @classmethod
+    def of(cls, result):
+        rows = result.get("rows", [])
+
+        def by_key(impl):
+            return {(r["workload"], r["direction"]): r for r in rows if r["impl"] == impl}
+
+        return cls({w["name"]: w for w in result.get("workloads", [])}, by_key(OURS),
+                   by_key(OURS_POSITIONS), result.get("host"))
+
+    def time(self, name, direction):
+        """cupy-rope's microseconds, or None when missing or not ok."""
+        r = self.ours.get((name, direction))
         return r["time_us"] if r and r["status"] == "ok" else None
 
-    # thd: cupy-rope also on the peers' per-token positions (OURS_POSITIONS)
-    ours_pos = {(r["workload"], r["direction"]): r for r in rows if r["impl"] == OURS_POSITIONS}
+    def big(self) -> list:
+        """Workloads held to the copy roofline."""
+        return [n for n, w in self.wdefs.items() if w["moved_bytes"] >= ROOFLINE_MIN_BYTES]
 
-    items = []
-    big = [n for n, w in wdefs.items() if w["moved_bytes"] >= ROOFLINE_MIN_BYTES]
-    what = "fwd and bwd >= 0.95 of copy, every workload moving >= 64 MiB"
+
+def _at_roofline(m: _Measured) -> Verdict:
     fails, worst, n = [], None, 0
-    for name in big:
-        for d in ("fwd", "bwd"):
-            for r, label in ((ours.get((name, d)), f"{name} {d}"),
-                             (ours_pos.get((name, d)), f"{name} {d} positions")):
+    for name in m.big():
+        for d in DIRECTIONS:
+            for r, label in ((m.ours.get((name, d)), f"{name} {d}"),
+                             (m.ours_pos.get((name, d)), f"{name} {d} positions")):
                 if r is None:
                     continue
                 n += 1
@@ -1074,20 +1262,33 @@ def acceptance(result) -> list:
                 f = r["fraction_of_copy"]
                 if worst is None or f < worst[0]:
                     worst = (f, label)
-                if f < 0.95:
+                if f < ROOFLINE_FRACTION:
                     fails.append(f"{label}: {f:.3f}")
     if n == 0:
-        items.append(_item("1a", what, "SKIP", "no such workload measured"))
-    else:
-        detail = f"{n} rows" + (f", lowest {worst[0]:.3f} ({worst[1]})" if worst else "")
-        items.append(_item("1a", what, "FAIL" if fails else "PASS", detail, fails))
+        return Verdict("SKIP", "no such workload measured")
+    return _judged(fails, f"{n} rows" + (f", lowest {worst[0]:.3f} ({worst[1]})" if worst else ""))
 
-    what = ("faster than the best peer present, every workload moving >= 64 MiB (thd: on "
-            "the per-token positions the peers are handed)")
-    fails, no_peer, n, low, low_cu = [], [], 0, None, None
-    for name in big:
-        for d in ("fwd", "bwd"):
-            r = ours_pos.get((name, d)) or ours.get((name, d))
+
+def _lowest_cu_seqlens_speedup(m: _Measured):
+    """(speedup, label) of cupy-rope's cu_seqlens row where its positions
+    row has one (thd), the lowest; None without such rows."""
+    low = None
+    for name in m.big():
+        for d in DIRECTIONS:
+            pos = m.ours_pos.get((name, d))
+            if pos is None or pos.get("speedup_vs_best_peer") is None:
+                continue
+            sp = (m.ours.get((name, d)) or {}).get("speedup_vs_best_peer")
+            if sp is not None and (low is None or sp < low[0]):
+                low = (sp, f"{name} {d}")
+    return low
+
+
+def _faster_than_peers(m: _Measured) -> Verdict:
+    fails, no_peer, n, low = [], [], 0, None
+    for name in m.big():
+        for d in DIRECTIONS:
+            r = m.ours_pos.get((name, d)) or m.ours.get((name, d))
             if r is None:
                 continue
             label = f"{name} {d}" + (" positions" if r["impl"] == OURS_POSITIONS else "")
@@ -1103,124 +1304,170 @@ def acceptance(result) -> list:
                 low = (sp, f"{label} vs {r['best_peer']}")
             if sp <= 1.0:
                 fails.append(f"{label}: {sp:.3f}x vs {r['best_peer']}")
-            cu = ours.get((name, d)) if r["impl"] == OURS_POSITIONS else None
-            sp_cu = cu.get("speedup_vs_best_peer") if cu else None
-            if sp_cu is not None and (low_cu is None or sp_cu < low_cu[0]):
-                low_cu = (sp_cu, f"{name} {d}")
     if n == 0:
-        items.append(_item("1b", what, "SKIP", "no peer measured on these workloads"))
-    else:
-        detail = f"{n} rows" + (f", lowest speedup {low[0]:.3f}x ({low[1]})" if low else "")
-        if low_cu:
-            detail += (f"; thd with cu_seqlens, which no peer takes (their positions are "
-                       f"gathered outside their timed call): lowest {low_cu[0]:.3f}x "
-                       f"({low_cu[1]})")
-        if no_peer:
-            detail += f"; no peer on {len(no_peer)} rows"
-        items.append(_item("1b", what, "FAIL" if fails else "PASS", detail, fails))
+        return Verdict("SKIP", "no peer measured on these workloads")
+    detail = f"{n} rows" + (f", lowest speedup {low[0]:.3f}x ({low[1]})" if low else "")
+    low_cu = _lowest_cu_seqlens_speedup(m)
+    if low_cu:
+        detail += (f"; thd with cu_seqlens, which no peer takes (their positions are "
+                   f"gathered outside their timed call): lowest {low_cu[0]:.3f}x ({low_cu[1]})")
+    if no_peer:
+        detail += f"; no peer on {len(no_peer)} rows"
+    return _judged(fails, detail)
 
-    def groups(pred, key):
-        out = {}
-        for n, w in wdefs.items():
-            if pred(w):
-                out.setdefault(key(w), []).append(n)
-        return out
 
-    what = "thd time within 5% from n_seqs 1 to 2401"
+def _thd_flat(m: _Measured) -> Verdict:
+    groups: dict = {}
+    for n, w in m.wdefs.items():
+        if w["kind"] == "thd":
+            key = (tuple(w["shape"]), w["dtype"], w["mode"], w["rotary_frac"])
+            groups.setdefault(key, []).append(n)
     fails, details = [], []
-    thd = groups(lambda w: w["kind"] == "thd",
-                 lambda w: (tuple(w["shape"]), w["dtype"], w["mode"], w["rotary_frac"]))
-    for names in thd.values():
+    for names in groups.values():
         if len(names) < 2:
             continue
-        names = sorted(names, key=lambda n: wdefs[n]["n_seqs"])
-        for d in ("fwd", "bwd"):
-            ts = [(t(n, d), n) for n in names]
+        names = sorted(names, key=lambda n: m.wdefs[n]["n_seqs"])
+        for d in DIRECTIONS:
+            ts = [(m.time(n, d), n) for n in names]
             if any(x is None for x, _ in ts):
                 fails.append(f"{d}: missing or failed rows")
                 continue
             spread = max(x for x, _ in ts) / min(x for x, _ in ts)
             details.append(f"{d} max/min {spread:.3f}")
-            if spread > 1.05:
+            if spread > THD_SPREAD_MAX:
                 fails.append(f"{d}: " + ", ".join(f"{n} {x:.1f} us" for x, n in ts))
-    items.append(_item("2", what, "SKIP" if not (details or fails) else
-                       ("FAIL" if fails else "PASS"),
-                       "; ".join(details) or "needs two or more thd workloads", fails))
+    return _judged_rows(fails, details, "needs two or more thd workloads")
 
-    def against_twin(item, what, is_row, twin_keys, twin_is, limit, label, empty):
-        """Each row's time over its twin's (the same workload but for
-        ``twin_is``) must stay within ``limit(w)``."""
-        fails, details = [], []
-        for n, w in wdefs.items():
-            if not is_row(w):
+
+class _Twins(NamedTuple):
+    """Rows judged against a twin workload: the same in ``same`` but for
+    what ``is_twin`` tells apart."""
+
+    is_row: Callable[[dict], bool]
+    is_twin: Callable[[dict], bool]
+    same: tuple
+    limit: Callable[[dict], float]
+    label: Callable[[str, str, float, float], str]
+    empty: str
+
+
+def _against_twin(m: _Measured, tw: _Twins) -> Verdict:
+    """Each row's time over its twin's must stay within ``tw.limit(row)``."""
+    fails, details = [], []
+    for n, w in m.wdefs.items():
+        if not tw.is_row(w):
+            continue
+        twins = [t for t, v in m.wdefs.items()
+                 if tw.is_twin(v) and all(v.get(k) == w.get(k) for k in tw.same)]
+        if not twins:
+            continue
+        for d in DIRECTIONS:
+            tr, tt = m.time(n, d), m.time(twins[0], d)
+            if tr is None or tt is None:
+                fails.append(f"{n} {d}: missing or failed rows")
                 continue
-            twins = [m for m, v in wdefs.items()
-                     if twin_is(v) and all(v.get(k) == w.get(k) for k in twin_keys)]
-            if not twins:
-                continue
-            for d in ("fwd", "bwd"):
-                tr, tt = t(n, d), t(twins[0], d)
-                if tr is None or tt is None:
-                    fails.append(f"{n} {d}: missing or failed rows")
-                    continue
-                details.append(label(n, d, tr / tt, limit(w)))
-                if tr > limit(w) * tt:
-                    fails.append(f"{n} {d}: {tr:.1f} us vs {tt:.1f} us, ratio {tr / tt:.3f}")
-        items.append(_item(item, what, "SKIP" if not (details or fails) else
-                           ("FAIL" if fails else "PASS"), "; ".join(details) or empty, fails))
+            details.append(tw.label(n, d, tr / tt, tw.limit(w)))
+            if tr > tw.limit(w) * tt:
+                fails.append(f"{n} {d}: {tr:.1f} us vs {tt:.1f} us, ratio {tr / tt:.3f}")
+    return _judged_rows(fails, details, tw.empty)
 
-    against_twin(
-        "3", "partial rotary in place <= (fraction + 0.1) x full rotary time",
-        lambda w: w["mode"] == "inplace" and w["rotary_frac"] < 1.0,
-        ("mode", "shape", "dtype", "layout", "kind", "interleaved"),
-        lambda v: v["rotary_frac"] == 1.0,
-        lambda w: w["rotary_frac"] + 0.1,
-        lambda n, d, r, lim: f"{n} {d} {r:.3f} (<= {lim:.2f})",
-        "needs partial and full in-place rows")
-    against_twin(
-        "4", "strided input within 5% of its contiguous twin", lambda w: w["strided"],
-        ("shape", "dtype", "layout", "mode", "kind", "rotary_frac", "interleaved"),
-        lambda v: not v["strided"],
-        lambda w: 1.05, lambda n, d, r, lim: f"{d} {r:.3f}", "needs a strided row and its twin")
 
-    host = result.get("host")
-    what = ("decode 64 tokens, end to end per call <= 8 us (torch and CuPy; the bound "
-            "RotaryEmbedding.qk_ where measured, apply_rope_qk otherwise)")
+def _partial_rotary(m: _Measured) -> Verdict:
+    return _against_twin(m, _Twins(
+        is_row=lambda w: w["mode"] == "inplace" and w["rotary_frac"] < 1.0,
+        is_twin=lambda v: v["rotary_frac"] == 1.0,
+        same=("mode", "shape", "dtype", "layout", "kind", "interleaved"),
+        limit=lambda w: w["rotary_frac"] + PARTIAL_SLACK,
+        label=lambda n, d, r, lim: f"{n} {d} {r:.3f} (<= {lim:.2f})",
+        empty="needs partial and full in-place rows"))
+
+
+def _strided(m: _Measured) -> Verdict:
+    return _against_twin(m, _Twins(
+        is_row=lambda w: w["strided"],
+        is_twin=lambda v: not v["strided"],
+        same=("shape", "dtype", "layout", "mode", "kind", "rotary_frac", "interleaved"),
+        limit=lambda w: STRIDED_MAX,
+        label=lambda n, d, r, lim: f"{d} {r:.3f}",
+        empty="needs a strided row and its twin"))
+
+
+def _decode_host_cost(m: _Measured) -> Verdict:
+    """The bound RotaryEmbedding.qk_ where measured, apply_rope_qk otherwise."""
+    host = m.host
     if not host:
-        items.append(_item("5", what, "SKIP", "host overhead not measured"))
-    else:
-        fails, details = [], []
-        for fw in ("torch", "cupy"):
-            v = host.get(f"{fw}_us_per_call")
-            if v is None and host.get(f"{fw}_error") == NO_TORCH:
+        return Verdict("SKIP", _NO_HOST)
+    fails, details = [], []
+    for fw in ("torch", "cupy"):
+        v = host.get(f"{fw}_us_per_call")
+        if v is None:
+            err = host.get(f"{fw}_error", "not measured")
+            if err == NO_TORCH:
                 details.append(f"{fw} not measured ({NO_TORCH})")
-                continue
-            if v is None:
-                fails.append(f"{fw}: {host.get(f'{fw}_error', 'not measured')}")
-                continue
-            bound = host.get(f"{fw}_bound_us_per_call")
-            if bound is not None:
-                py = host.get(f"{fw}_python_us_per_call")
-                split = (f", of which Python {py:.2f} us" if py is not None else "")
-                details.append(f"{fw} {bound:.2f} us bound{split} ({v:.2f} us apply_rope_qk)")
-                v = bound
             else:
-                details.append(f"{fw} {v:.2f} us")
-            if v > 8.0:
-                fails.append(f"{fw}: {v:.2f} us")
-        items.append(_item("5", what, "FAIL" if fails else "PASS", "; ".join(details), fails))
-    what = "CUDA-graph replay per call <= 3 us"
-    if not host:
-        items.append(_item("6", what, "SKIP", "host overhead not measured"))
-    else:
-        v = host.get("graph_us_per_call")
-        if v is None and host.get("graph_error") == NO_TORCH:
-            items.append(_item("6", what, "SKIP", NO_TORCH))
-        elif v is None:
-            items.append(_item("6", what, "FAIL", host.get("graph_error", "not measured")))
+                fails.append(f"{fw}: {err}")
+            continue
+        bound = host.get(f"{fw}_bound_us_per_call")
+        if bound is not None:
+            py = host.get(f"{fw}_python_us_per_call")
+            split = f", of which Python {py:.2f} us" if py is not None else ""
+            details.append(f"{fw} {bound:.2f} us bound{split} ({v:.2f} us apply_rope_qk)")
+            v = bound
         else:
-            items.append(_item("6", what, "PASS" if v <= 3.0 else "FAIL", f"{v:.2f} us"))
-    return items
+            details.append(f"{fw} {v:.2f} us")
+        if v > DECODE_HOST_MAX_US:
+            fails.append(f"{fw}: {v:.2f} us")
+    return _judged(fails, "; ".join(details))
+
+
+def _graph_replay(m: _Measured) -> Verdict:
+    host = m.host
+    if not host:
+        return Verdict("SKIP", _NO_HOST)
+    v = host.get("graph_us_per_call")
+    if v is None and host.get("graph_error") == NO_TORCH:
+        return Verdict("SKIP", NO_TORCH)
+    if v is None:
+        return Verdict("FAIL", host.get("graph_error", "not measured"))
+    return Verdict("PASS" if v <= GRAPH_MAX_US else "FAIL", f"{v:.2f} us")
+
+
+class Criterion(NamedTuple):
+    item: str
+    what: str
+    judge: Callable[[_Measured], Verdict]
+
+
+#: What a run is judged by, in the order printed.
+CRITERIA = (
+    Criterion("1a", f"fwd and bwd >= {ROOFLINE_FRACTION} of copy, every workload moving "
+              f">= {ROOFLINE_MIN_BYTES // MiB} MiB", _at_roofline),
+    Criterion("1b", f"faster than the best peer present, every workload moving >= "
+              f"{ROOFLINE_MIN_BYTES // MiB} MiB (thd: on the per-token positions the peers "
+              "are handed)", _faster_than_peers),
+    Criterion("2", f"thd time within {THD_SPREAD_MAX - 1:.0%} from n_seqs 1 to 2401",
+              _thd_flat),
+    Criterion("3", f"partial rotary in place <= (fraction + {PARTIAL_SLACK}) x full rotary "
+              "time", _partial_rotary),
+    Criterion("4", f"strided input within {STRIDED_MAX - 1:.0%} of its contiguous twin",
+              _strided),
+    Criterion("5", f"decode 64 tokens, end to end per call <= {DECODE_HOST_MAX_US:g} us "
+              "(torch and CuPy; the bound RotaryEmbedding.qk_ where measured, apply_rope_qk "
+              "otherwise)", _decode_host_cost),
+    Criterion("6", f"CUDA-graph replay per call <= {GRAPH_MAX_US:g} us", _graph_replay),
+)
+
+
+def _item(item, what, status, detail, failures=()):
+    return {"item": item, "what": what, "status": status, "detail": detail,
+            "failures": list(failures)}
+
+
+def acceptance(result) -> list:
+    """Each of ``CRITERIA`` judged on ``result``: dicts with item, what,
+    status (PASS, FAIL or SKIP), detail and failures."""
+    m = _Measured.of(result)
+    return [_item(c.item, c.what, *c.judge(m)) for c in CRITERIA]
 
 
 # ----------------------------------------------------------------------------
@@ -1246,25 +1493,30 @@ def _passes(host) -> str:
     return f"{host.get('repeats', 1)} passes"
 
 
+def _host_part(host, fw) -> str:
+    """One framework's decode host cost, as format_host prints it."""
+    v = host.get(f"{fw}_us_per_call")
+    if v is None:
+        return f"{fw} failed ({host.get(f'{fw}_error', '?')})"
+    bound = host.get(f"{fw}_bound_us_per_call")
+    if bound is None:
+        return f"{fw} {v:.2f} us"
+    py, bare = host.get(f"{fw}_python_us_per_call"), host.get(f"{fw}_launch_us_per_call")
+    if py is None:
+        split = ""
+    elif host.get("rounds"):
+        # (medians of different things: they need not add up to qk_'s)
+        split = (f"; the kernel launched bare {bare:.2f} us; Python {py:.2f} us, "
+                 f"the median over rounds of qk_ less the bare launch")
+    else:
+        split = f": driver launch {bare:.2f} us + Python {py:.2f} us"
+    return f"{fw} {v:.2f} us (RotaryEmbedding.qk_ {bound:.2f} us{split})"
+
+
 def format_host(host) -> str:
     if not host:
         return ""
-    parts = []
-    for fw in ("torch", "cupy"):
-        v = host.get(f"{fw}_us_per_call")
-        bound = host.get(f"{fw}_bound_us_per_call")
-        py, bare = host.get(f"{fw}_python_us_per_call"), host.get(f"{fw}_launch_us_per_call")
-        if py is None:
-            split = ""
-        elif host.get("rounds"):
-            # (medians of different things: they need not add up to qk_'s)
-            split = (f"; the kernel launched bare {bare:.2f} us; Python {py:.2f} us, "
-                     f"the median over rounds of qk_ less the bare launch")
-        else:
-            split = f": driver launch {bare:.2f} us + Python {py:.2f} us"
-        parts.append((f"{fw} {v:.2f} us" + (f" (RotaryEmbedding.qk_ {bound:.2f} us{split})"
-                                             if bound is not None else ""))
-                     if v is not None else f"{fw} failed ({host.get(f'{fw}_error', '?')})")
+    parts = [_host_part(host, fw) for fw in ("torch", "cupy")]
     g = host.get("graph_us_per_call")
     gs = (f"{g:.2f} us per call (wall {host.get('graph_wall_us_per_call', 0):.2f})"
           if g is not None else f"failed ({host.get('graph_error', '?')})")
@@ -1369,25 +1621,37 @@ def write_json(result, path) -> None:
         json.dump(result, f, indent=1, default=_json_default)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", help="comma-separated workload names (see --list)")
     ap.add_argument("--filter", action="append",
-                    help="regular expression on workload names (repeatable: any matches)")
+                    help="regular expression searched in workload names (repeatable: a "
+                         "workload is kept if any matches; with --workloads, both must hold)")
     ap.add_argument("--peers", default="all",
-                    help="comma-separated peers, 'all' (default) or 'none'")
+                    help="comma-separated peers (" + ", ".join(peers_mod.NAMES) + "), 'all' "
+                         "(default: those that import) or 'none'")
     ap.add_argument("--json", help="write the results here (updated after each workload)")
-    ap.add_argument("--plot", help="write a PNG chart here (needs matplotlib)")
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--sets", type=int, default=3, help="input sets rotated between calls")
-    ap.add_argument("--no-host", action="store_true", help="skip the host-cost microbenchmark")
-    ap.add_argument("--no-check", action="store_true", help="skip the correctness check")
-    ap.add_argument("--strict", action="store_true", help="exit 1 when an item FAILs")
+    ap.add_argument("--plot", help="write a PNG chart of the fractions of copy here "
+                                   "(needs matplotlib)")
+    ap.add_argument("--reps", type=int, default=30,
+                    help="timed calls per row; the median is kept (default %(default)s)")
+    ap.add_argument("--sets", type=int, default=3,
+                    help="input sets rotated between calls (default %(default)s)")
+    ap.add_argument("--no-host", action="store_true",
+                    help="skip the decode host-cost timings")
+    ap.add_argument("--no-check", action="store_true",
+                    help="skip the check against the float32 reference")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a criterion FAILs")
     ap.add_argument("--arrays", choices=("torch", "cupy"), default="torch",
                     help="input arrays: torch tensors (default, when torch sees the GPU) "
-                         "or CuPy arrays (then no peers)")
+                         "or CuPy arrays (then no peers and no check)")
     ap.add_argument("--list", action="store_true", help="list the workloads and exit")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
     workloads = select_workloads(args.workloads, args.filter)
     if args.list:
         for w in workloads:

@@ -1,27 +1,37 @@
 """Host cost of the pieces of a cached decode call, against bare launches (GPU machine).
 
-    python -m benchmarks.launch_cost [--streams | --rounds]
+    python -m benchmarks.launch_cost              # the call taken apart
+    python -m benchmarks.launch_cost --streams    # the same launch on each kind of stream
+    python -m benchmarks.launch_cost --rounds     # qk_ against its parts, interleaved rounds
 
 Prints microseconds per call of: the whole call, reading torch tensor
-attributes, CuPy's driver.launchKernel with our Params and with an empty
-kernel, a ctypes cuLaunchKernel, and a trivial torch op, so the floor that
+attributes, CuPy's driver.launchKernel with our parameters and with an empty
+kernel, a ctypes cuLaunchKernel, and a trivial torch op, so that the floor
 any Python-launched kernel pays on this host is measured next to ours.
+
+Some rows reach into cupy-rope's internals (the cached launcher of
+``RotaryEmbedding.qk_`` and its ``plan``, ``cupy_rope.interop``); a row whose
+internals have changed prints ``n/a`` with the reason instead of stopping
+the script.
 """
+
+from __future__ import annotations
+
+import argparse
+import contextlib
 import ctypes
-import sys
+import dataclasses
 import threading
 import time
-
-import cupy
-import torch
-
-import cupy_rope
-from cupy_rope import api, interop
+from typing import Any, Callable
 
 N = 20000
 
 
 def per_call(fn, n=N):
+    """Microseconds per call of ``fn``: the best of three passes of ``n`` calls."""
+    import torch
+
     for _ in range(200):
         fn()
     torch.cuda.synchronize()
@@ -36,84 +46,268 @@ def per_call(fn, n=N):
 
 
 def show(name, us):
-    print(f"{name:44s} {us:6.2f} us", flush=True)
+    print(f"{name:52s} {us:6.2f} us", flush=True)
 
 
-d = 128
-q = torch.randn(64, 32, d, device="cuda", dtype=torch.bfloat16)
-k = torch.randn(64, 8, d, device="cuda", dtype=torch.bfloat16)
-cache = torch.randn(8192, d, device="cuda")
-pos = torch.arange(64, device="cuda") + 100
+def row(name, make: Callable[[], Callable[[], Any]]):
+    """Time the callable that ``make()`` returns; n/a when building or calling it fails."""
+    try:
+        show(name, per_call(make()))
+    except Exception as exc:  # noqa: BLE001
+        print(f"{name:52s} n/a ({exc.__class__.__name__}: {exc})", flush=True)
 
 
-def call():
-    cupy_rope.apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd", inplace=True)
-
-
-show("host speed: sum(range(100)) (pure Python)", per_call(lambda: sum(range(100))))
-
-
-def stream_rows():
-    """The same launches on the legacy default stream, the per-thread default
-    stream and created streams: the driver's cost differs by stream kind."""
+@contextlib.contextmanager
+def driver_stubbed():
+    """CuPy's driver.launchKernel replaced by a no-op: launchers generated
+    meanwhile keep the no-op, so they do everything but the driver call."""
     from cupy.cuda import driver
 
-    empty = cupy.RawKernel('extern "C" __global__ void nothing() {}', "nothing")
-    empty.compile()
-    no_args = (ctypes.c_void_p * 1)(0)
-    addr = ctypes.addressof(no_args)
-    rope = cupy_rope.RotaryEmbedding(cos_sin_cache=cache, layout="thd")
-    kinds = [("legacy default (0)", None), ("per-thread default (2)", 2),
+    real = driver.launchKernel
+    driver.launchKernel = lambda *a: None
+    try:
+        yield
+    finally:
+        driver.launchKernel = real
+
+
+_EMPTY: list = []  # the empty kernel and its argument array, kept alive
+
+
+def empty_kernel():
+    """(an empty kernel's function pointer, the address of an argument array for it)."""
+    import cupy
+
+    if not _EMPTY:
+        kernel = cupy.RawKernel('extern "C" __global__ void nothing() {}', "nothing")
+        kernel.compile()
+        _EMPTY.extend((kernel, (ctypes.c_void_p * 1)(0)))
+    kernel, no_args = _EMPTY
+    return kernel.kernel.ptr, ctypes.addressof(no_args)
+
+
+def cached_launcher(rope, args):
+    """The launcher that ``rope.qk_`` caches for ``args`` (q, k, positions)."""
+    rope.qk_(*args)
+    rope.qk_(*args)  # the second call finds the cached launcher
+    return next(iter(rope._fast.values()))
+
+
+@dataclasses.dataclass
+class Decode:
+    """A decode step's arrays (64 tokens, q32/k8 d128, bf16) in torch and CuPy."""
+
+    torch: tuple   # q, k, cos|sin cache, positions
+    cupy: tuple
+
+    @classmethod
+    def make(cls):
+        import cupy
+        import torch
+
+        d = 128
+        t = (torch.randn(64, 32, d, device="cuda", dtype=torch.bfloat16),
+             torch.randn(64, 8, d, device="cuda", dtype=torch.bfloat16),
+             torch.randn(8192, d, device="cuda"), torch.arange(64, device="cuda") + 100)
+        return cls(t, tuple(cupy.from_dlpack(a) for a in t))
+
+    def rope(self, fw, **kw):
+        import cupy_rope
+
+        return cupy_rope.RotaryEmbedding(cos_sin_cache=getattr(self, fw)[2], layout="thd", **kw)
+
+    def qk_args(self, fw):
+        q, k, _, pos = getattr(self, fw)
+        return (q, k, pos)
+
+
+def end_to_end_rows(s: Decode):
+    import cupy_rope
+
+    q, k, cache, pos = s.torch
+    row("end to end apply_rope_qk (torch, in place)", lambda: lambda: cupy_rope.apply_rope_qk(
+        q, k, cos_sin_cache=cache, positions=pos, layout="thd", inplace=True))
+    rope, rope_c = s.rope("torch"), s.rope("cupy")
+    row("end to end RotaryEmbedding.qk_ (torch)", lambda: lambda: rope.qk_(q, k, pos))
+    row("end to end RotaryEmbedding.qk (torch, in place)",
+        lambda: lambda: rope.qk(q, k, pos, inplace=True))
+    args_c = s.qk_args("cupy")
+    row("end to end RotaryEmbedding.qk_ (cupy)", lambda: lambda: rope_c.qk_(*args_c))
+
+
+def attribute_rows(s: Decode):
+    import torch
+
+    from cupy_rope import interop
+
+    q, k, _, pos = s.torch
+    for name, fn in (("q.data_ptr()", q.data_ptr), ("q.shape", lambda: q.shape),
+                     ("q.stride()", q.stride), ("q.dtype", lambda: q.dtype),
+                     ("q.get_device()", q.get_device), ("q.is_contiguous()", q.is_contiguous),
+                     ("q.__dlpack_device__()", q.__dlpack_device__)):
+        row(name, lambda fn=fn: fn)
+    # Cheaper ways to read torch metadata: unbound TensorBase methods and descriptors.
+    tb = torch._C.TensorBase
+    shape_get, dtype_get = tb.shape.__get__, tb.dtype.__get__
+    for name, fn in (("TensorBase.data_ptr(q)", tb.data_ptr), ("TensorBase.stride(q)", tb.stride),
+                     ("TensorBase.get_device(q)", tb.get_device),
+                     ("TensorBase.shape.__get__(q)", shape_get),
+                     ("TensorBase.dtype.__get__(q)", dtype_get)):
+        row(name, lambda fn=fn: lambda: fn(q))
+    row("torch signer (interop._torch_sign)", lambda: lambda: interop._torch_sign(q, [], []))
+    row("torch raw stream (interop.torch_stream)", lambda: lambda: interop.torch_stream(0))
+    row("key3 (torch, as shipped)", lambda: (lambda key3: lambda: key3(q, k, pos))(
+        interop.key3(type(q))))
+
+
+def launch_rows(s: Decode):
+    """Our kernel and an empty one through the driver, and through ctypes."""
+    import torch
+    from cupy.cuda import driver
+
+    plan = cached_launcher(s.rope("torch"), s.qk_args("torch")).plan
+    stream = torch.cuda.current_stream().cuda_stream
+    args = plan.own_buffer()[1]  # this thread's parameters
+    row("driver.launchKernel, our parameters", lambda: lambda: driver.launchKernel(
+        plan.kernel, *plan.dims, 0, stream, args, 0))
+    empty, no_args = empty_kernel()
+    row("driver.launchKernel, empty kernel, grid 1", lambda: lambda: driver.launchKernel(
+        empty, 1, 1, 1, 32, 1, 1, 0, stream, no_args, 0))
+    row("driver.launchKernel, our kernel, grid 1", lambda: lambda: driver.launchKernel(
+        plan.kernel, 1, 1, 1, *plan.dims[3:], 0, stream, args, 0))
+    launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    launch.restype = ctypes.c_int
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    row("ctypes cuLaunchKernel, our parameters", lambda: lambda: launch(
+        plan.kernel, *plan.dims, 0, stream, args, None))
+    x = torch.zeros(16, device="cuda")
+    row("torch x.add_(1) (16 floats)", lambda: lambda: x.add_(1))
+    row("torch.cuda._sleep(0)", lambda: lambda: torch.cuda._sleep(0))
+    print(f"decode grid {plan.dims}")
+
+
+def graph_rows(s: Decode):
+    """GPU time per launch, back to back, from a CUDA graph of 100 calls."""
+    import torch
+    from cupy.cuda import driver
+
+    import cupy_rope
+
+    q, k, cache, pos = s.torch
+    empty, no_args = empty_kernel()
+    calls = (("ours", lambda: cupy_rope.apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos,
+                                                      layout="thd", inplace=True)),
+             ("empty kernel", lambda: driver.launchKernel(
+                 empty, 1, 1, 1, 32, 1, 1, 0, torch.cuda.current_stream().cuda_stream,
+                 no_args, 0)))
+    for name, f in calls:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            f()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(100):
+                f()
+        g.replay()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(20):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        show(f"graph replay per launch, {name}", a.elapsed_time(b) * 1e3 / 2000)
+
+
+def host_floor_rows(s: Decode):
+    """What any Python call pays on this host."""
+    import cupy
+    from cupy_backends.cuda.api.runtime import getDevice
+
+    row("host speed: sum(range(100)) (pure Python)", lambda: lambda: sum(range(100)))
+    lock = threading.Lock()
+
+    def locked():
+        with lock:
+            pass
+
+    row("with lock: pass", lambda: locked)
+    row("runtime getDevice()", lambda: getDevice)
+    row("cupy get_current_stream().ptr", lambda: lambda: cupy.cuda.get_current_stream().ptr)
+
+
+def bound_path_rows(s: Decode):
+    """The bound decode path piece by piece, for both frameworks."""
+    from cupy_rope import interop
+
+    for fw in ("torch", "cupy"):
+        args = s.qk_args(fw)
+        rope = s.rope(fw)
+        go = cached_launcher(rope, args)
+        key3 = interop.key3(type(args[0]))
+        key, ptrs = key3(*args)
+        row(f"[{fw}] qk_ end to end", lambda: lambda: rope.qk_(*args))
+        row(f"[{fw}] key3", lambda: lambda: key3(*args))
+        row(f"[{fw}] fast.get(key)", lambda: lambda: rope._fast.get(key))
+        row(f"[{fw}] go(...) (overlap test, stream, pack, launch)", lambda: lambda: go(*ptrs))
+        row(f"[{fw}] stream getter", lambda: lambda: go.plan.stream(go.plan.device_id))
+        with driver_stubbed():
+            stub = s.rope(fw)
+            go_stub = cached_launcher(stub, args)
+        row(f"[{fw}] go(...) with the driver call stubbed", lambda: lambda: go_stub(*ptrs))
+        # The whole call with only the driver call replaced: Python's share.
+        row(f"[{fw}] qk_ with the driver call stubbed (Python only)",
+            lambda: lambda: stub.qk_(*args))
+
+
+def stream_rows(s: Decode):
+    """The same launches on the legacy default stream, the per-thread default
+    stream and created streams: the driver's cost differs by stream kind."""
+    import cupy
+    import torch
+    from cupy.cuda import driver
+
+    empty, no_args = empty_kernel()
+    rope, args = s.rope("torch"), s.qk_args("torch")
+    # The stream objects stay referenced here: their handles die with them.
+    kinds = [("legacy default (0)", 0), ("per-thread default (2)", 2),
              ("torch.cuda.Stream()", torch.cuda.Stream()),
              ("cupy Stream(non_blocking=True)", cupy.cuda.Stream(non_blocking=True)),
              ("cupy Stream() (blocking)", cupy.cuda.Stream())]
-    for name, s in kinds:
-        handle = 0 if s is None else (s if isinstance(s, int) else
-                                      getattr(s, "cuda_stream", None) or s.ptr)
-        show(f"empty launch on {name}",
-             per_call(lambda: driver.launchKernel(empty.kernel.ptr, 1, 1, 1, 32, 1, 1, 0,
-                                                  handle, addr, 0)))
+    for name, stream in kinds:
+        handle = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
+        handle = stream.ptr if handle is None else handle
+        row(f"empty launch on {name}", lambda: lambda: driver.launchKernel(
+            empty, 1, 1, 1, 32, 1, 1, 0, handle, no_args, 0))
         ts = torch.cuda.ExternalStream(handle) if handle else torch.cuda.default_stream()
         with torch.cuda.stream(ts):
-            show(f"qk_ (torch) on {name}", per_call(lambda: rope.qk_(q, k, pos)))
+            row(f"qk_ (torch) on {name}", lambda: lambda: rope.qk_(*args))
 
 
-def rounds_rows():
+def rounds_rows(s: Decode):
     """qk_ against its parts in the benchmark's interleaved rounds
-    (bench._time_host_rounds: 9 rounds, each one pass of 2000 calls of
-    every row), torch and CuPy: qk_; the same call with the driver call
-    stubbed (Python alone); the kernel launched bare with one block
-    (bench._bare_launch) and with its full grid; then, per round, what qk_
-    costs beyond its Python plus a bare full-grid launch."""
+    (bench._time_host_rounds), torch and CuPy: qk_; the same call with the
+    driver call stubbed (Python alone); the kernel launched bare with one
+    block (bench._bare_launch) and with its full grid; then, per round, what
+    qk_ costs beyond its Python plus a bare full-grid launch."""
     from cupy.cuda import driver
 
     from benchmarks import bench
 
     for fw in ("torch", "cupy"):
-        arrays = (q, k, cache, pos)
-        if fw == "cupy":
-            arrays = tuple(cupy.from_dlpack(t) for t in arrays)
-        aq, ak, acache, apos = arrays
-        rope = cupy_rope.RotaryEmbedding(cos_sin_cache=acache, layout="thd")
-        # rope's launcher is generated first, with the real driver call;
-        # stub's while driver.launchKernel is replaced, so it launches nothing.
-        rope.qk_(aq, ak, apos)
-        rope.qk_(aq, ak, apos)
-        plan = next(iter(rope._fast.values())).plan
-        args, stream = plan.own_buffer()[1], plan.stream(plan.device_id)
-        stub = cupy_rope.RotaryEmbedding(cos_sin_cache=acache, layout="thd")
-        real = driver.launchKernel
-        driver.launchKernel = lambda *a: None
-        try:
-            stub.qk_(aq, ak, apos)
-            stub.qk_(aq, ak, apos)
-        finally:
-            driver.launchKernel = real
-        rows = [("qk_", lambda: rope.qk_(aq, ak, apos)),
-                ("qk_ driver stubbed", lambda: stub.qk_(aq, ak, apos)),
+        args = s.qk_args(fw)
+        rope = s.rope(fw)
+        plan = cached_launcher(rope, args).plan
+        params, stream = plan.own_buffer()[1], plan.stream(plan.device_id)
+        with driver_stubbed():
+            stub = s.rope(fw)
+            cached_launcher(stub, args)
+        rows = [("qk_", lambda: rope.qk_(*args)),
+                ("qk_ driver stubbed", lambda: stub.qk_(*args)),
                 ("bare, 1 block", bench._bare_launch(rope)),
-                ("bare, full grid", lambda: driver.launchKernel(plan.kernel, *plan.dims, 0, stream,
-                                                               args, 0))]
+                ("bare, full grid", lambda: driver.launchKernel(
+                    plan.kernel, *plan.dims, 0, stream, params, 0))]
         out = {}
         bench._time_host_rounds(out, [(n, f, f"{fw} {n}") for n, f in rows], 2000)
         a, b, _, c = (out[f"{n}_us_per_call_runs"] for n, _ in rows)
@@ -121,154 +315,27 @@ def rounds_rows():
               " ".join(f"{x - y - z:+.2f}" for x, y, z in zip(a, b, c)), flush=True)
 
 
-if "--streams" in sys.argv:
-    stream_rows()
-    sys.exit(0)
-if "--rounds" in sys.argv:
-    rounds_rows()
-    sys.exit(0)
-show("end to end apply_rope_qk (torch, in place)", per_call(call))
-bound = getattr(cupy_rope, "RotaryEmbedding", None)
-if bound is not None:
-    rope = bound(cos_sin_cache=cache, layout="thd")
-    show("end to end RotaryEmbedding.qk_ (torch)", per_call(lambda: rope.qk_(q, k, pos)))
-    show("end to end RotaryEmbedding.qk (torch, in place)",
-         per_call(lambda: rope.qk(q, k, pos, inplace=True)))
-    qc, kc, cc, pc = (cupy.from_dlpack(t) for t in (q, k, cache, pos))
-    rope_c = bound(cos_sin_cache=cc, layout="thd")
-    show("end to end RotaryEmbedding.qk_ (cupy)", per_call(lambda: rope_c.qk_(qc, kc, pc)))
-
-show("q.data_ptr()", per_call(lambda: q.data_ptr()))
-show("q.shape", per_call(lambda: q.shape))
-show("q.stride()", per_call(lambda: q.stride()))
-show("q.dtype", per_call(lambda: q.dtype))
-show("q.get_device()", per_call(lambda: q.get_device()))
-show("q.is_contiguous()", per_call(lambda: q.is_contiguous()))
-show("torch signer", per_call(lambda: interop._torch_sign(q, [], [])))
-show("torch raw stream", per_call(lambda: interop.torch_stream(0)))
-
-key = [k_ for k_ in api._plans if k_[0] == "qk"][-1]
-plan = api._plans[key].plan
-stream = interop.torch_stream(0)
-from cupy.cuda import driver  # noqa: E402
-
-args = plan.own_buffer()[1]  # this thread's parameters
-show("driver.launchKernel, our Params",
-     per_call(lambda: driver.launchKernel(plan.kernel, *plan.dims, 0, stream, args, 0)))
-empty = cupy.RawKernel('extern "C" __global__ void nothing() {}', "nothing")
-empty.compile()
-fn = empty.kernel.ptr
-no_args = (ctypes.c_void_p * 1)(0)
-show("driver.launchKernel, empty kernel, grid 1",
-     per_call(lambda: driver.launchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream,
-                                          ctypes.addressof(no_args), 0)))
-show("driver.launchKernel, our kernel, grid 1",
-     per_call(lambda: driver.launchKernel(plan.kernel, 1, 1, 1, *plan.dims[3:], 0, stream,
-                                          args, 0)))
-libcuda = ctypes.CDLL("libcuda.so.1")
-launch = libcuda.cuLaunchKernel
-launch.restype = ctypes.c_int
-launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-dims = plan.dims
-show("ctypes cuLaunchKernel, our Params",
-     per_call(lambda: launch(plan.kernel, *dims, 0, stream, args, None)))
-x = torch.zeros(16, device="cuda")
-show("torch x.add_(1) (16 floats)", per_call(lambda: x.add_(1)))
-show("torch.cuda._sleep(0)", per_call(lambda: torch.cuda._sleep(0)))
-
-# GPU time per launch, back to back, from a CUDA graph of 100 calls.
-for name, f in (("ours", call),
-                ("empty kernel", lambda: driver.launchKernel(
-                    fn, 1, 1, 1, 32, 1, 1, 0, torch.cuda.current_stream().cuda_stream,
-                    ctypes.addressof(no_args), 0))):
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(100):
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(20):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    show(f"graph replay per launch, {name}", a.elapsed_time(b) * 1e3 / 2000)
-print(f"decode grid {plan.dims}")
-
-# Cheaper ways to read torch metadata: unbound TensorBase methods/descriptors.
-TB = torch._C.TensorBase
-ub = dict(data_ptr=TB.data_ptr, stride=TB.stride, get_device=TB.get_device)
-shape_get, dtype_get = TB.shape.__get__, TB.dtype.__get__
-show("TensorBase.data_ptr(q)", per_call(lambda: ub["data_ptr"](q)))
-show("TensorBase.shape.__get__(q)", per_call(lambda: shape_get(q)))
-show("TensorBase.stride(q)", per_call(lambda: ub["stride"](q)))
-show("TensorBase.dtype.__get__(q)", per_call(lambda: dtype_get(q)))
-show("TensorBase.get_device(q)", per_call(lambda: ub["get_device"](q)))
-show("q.__dlpack_device__()", per_call(lambda: q.__dlpack_device__()))
-show("key3 (torch, as shipped)", per_call(lambda: interop.key3(type(q))(q, k, pos)))
-_dp, _st, _gd = TB.data_ptr, TB.stride, TB.get_device
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.launch_cost", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", action="store_true", help="only the per-stream-kind rows")
+    ap.add_argument("--rounds", action="store_true", help="only the interleaved-rounds rows")
+    args = ap.parse_args(argv)
+    s = Decode.make()
+    if args.streams:
+        stream_rows(s)
+        return 0
+    if args.rounds:
+        rounds_rows(s)
+        return 0
+    for part in (host_floor_rows, end_to_end_rows, attribute_rows, launch_rows, graph_rows,
+                 bound_path_rows):
+        try:
+            part(s)
+        except Exception as exc:  # noqa: BLE001 - a changed internal ends its part only
+            print(f"{part.__name__}: n/a ({exc.__class__.__name__}: {exc})", flush=True)
+    return 0
 
 
-def key3_unbound(a, b, c):
-    da, db, dc = _gd(a), _gd(b), _gd(c)
-    if da < 0 or db < 0 or dc < 0:
-        return None
-    pa, pb, pc = _dp(a), _dp(b), _dp(c)
-    return ((dtype_get(a), shape_get(a), _st(a), da, pa & 15, dtype_get(b), shape_get(b), _st(b),
-             db, pb & 15, dtype_get(c), shape_get(c), _st(c), dc, pc & 15), pa, pb, pc)
-
-
-show("key3 (torch, unbound)", per_call(lambda: key3_unbound(q, k, pos)))
-kk = interop.key3(type(q))(q, k, pos)[0]
-dd = {kk: 1}
-show("fast dict lookup of the key", per_call(lambda: dd.get(kk)))
-lk = threading.Lock()
-
-
-def locked():
-    with lk:
-        pass
-
-
-show("with lock: pass", per_call(locked))
-from cupy_backends.cuda.api.runtime import getDevice  # noqa: E402
-show("runtime getDevice()", per_call(getDevice))
-
-# The bound decode path piece by piece, for both frameworks.
-from cupy_rope import launch as _launch  # noqa: E402
-
-for fw, rp, args in (("torch", rope, (q, k, pos)), ("cupy", rope_c, (qc, kc, pc))):
-    rp.qk_(*args)
-    key3 = interop.key3(type(args[0]))
-    got = key3(*args)
-    go = rp._fast[got[0]]
-    show(f"[{fw}] qk_ end to end", per_call(lambda: rp.qk_(*args)))
-    show(f"[{fw}] key3", per_call(lambda: key3(*args)))
-    show(f"[{fw}] fast.get(key)", per_call(lambda: rp._fast.get(got[0])))
-    show(f"[{fw}] go(...) (apart, stream, lock, pack, launch)",
-         per_call(lambda: go(*got[1])))
-    show(f"[{fw}] stream getter", per_call(lambda: go.__globals__["stream_of"](0)))
-    real = driver.launchKernel
-    driver.launchKernel = lambda *a: None
-    try:
-        go_stub = _launch.bound_launcher(go.plan, [], {0: "q", 1: "k", 7: "p"}, {})
-    finally:
-        driver.launchKernel = real
-    show(f"[{fw}] go without the driver call (no overlap test)",
-         per_call(lambda: go_stub(*got[1])))
-    # The whole call with only the driver call replaced: Python's share.
-    driver.launchKernel = lambda *a: None
-    try:
-        stub = bound(cos_sin_cache=cache if fw == "torch" else cc, layout="thd")
-        stub.qk_(*args)
-        show(f"[{fw}] qk_ with the driver call stubbed (Python only)",
-             per_call(lambda: stub.qk_(*args)))
-    finally:
-        driver.launchKernel = real
-print("cupy get_current_stream().ptr", end=" ")
-show("", per_call(lambda: cupy.cuda.get_current_stream().ptr))
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,14 +23,14 @@ Single-tensor workloads are given to the two-tensor peers (Liger, FlashInfer)
 as two tensors holding the first and the second half of x's heads (copies
 made outside the timed region), so the kernel moves exactly x's bytes in one
 launch. A peer that cannot express a workload without extra copies answers
-``n/a`` with the reason.
+``n/a`` with the reason (an :class:`Unusable`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 
 @dataclasses.dataclass
@@ -48,6 +48,21 @@ class Prepared:
     call: dict
     result: Callable[[tuple, Any], list]
     note: str = ""
+
+
+class Unusable(NamedTuple):
+    """Why an implementation has no timed row on a workload.
+
+    ``status`` is ``"n/a"`` (it cannot express the workload without extra
+    copies) or ``"error"`` (preparing it failed); ``reason`` says why.
+    """
+
+    status: str
+    reason: str
+
+
+def not_applicable(reason: str) -> Unusable:
+    return Unusable("n/a", reason)
 
 
 try:  # optional: without torch no peer runs
@@ -124,6 +139,7 @@ def _torch_dtype(name):
 
 
 _GATHER_NOTE = "; cos/sin rows gathered by position in the call"
+_ODD_HEADS = "odd head count cannot be split into its q and k"
 
 
 def _rotated_names(w):
@@ -138,7 +154,7 @@ class Peer:
         raise NotImplementedError
 
     def prepare(self, w, ctx):
-        """A :class:`Prepared`, or a string saying why the workload is n/a."""
+        """A :class:`Prepared`, or an :class:`Unusable` saying why the workload is n/a."""
         raise NotImplementedError
 
     def version(self):
@@ -171,7 +187,8 @@ class TorchFormula(Peer):
         names = _rotated_names(w)
         gather = w.layout == "thd"
         if w.interleaved and (gather or len(names) == 2 or w.rotary_dim != w.head_dim):
-            return "n/a: the GPT-J formula here covers full rotary on one bshd/sbhd tensor"
+            return not_applicable("the GPT-J formula here covers full rotary on one bshd/sbhd "
+                                  "tensor")
         which = ("qk" if len(names) == 2 else "x") + ("_gather" if gather else "")
         which += "_interleaved" * w.interleaved
         fn = self._fn(which)
@@ -254,73 +271,87 @@ class Liger(Peer):
             return "?"
 
     def prepare(self, w, ctx):
+        reason = self._unusable(w)
+        if reason:
+            return not_applicable(reason)
+        call = {b: self._bind(w, ctx, b) for b in (False, True)}
+        gathered = _GATHER_NOTE * (w.layout == "thd")
+        if len(_rotated_names(w)) == 2:
+            return Prepared(lambda s: (_liger_view(w, s["q"]), _liger_view(w, s["k"])), call,
+                            lambda args, ret: [_from_liger_view(w, t) for t in ret],
+                            note="in place" + gathered)
+        note = "in place; x's heads split into its q and k" + gathered
+        if w.strided:
+            note += "; bhsd storage (Liger copies to bshd first)"
+        return Prepared(lambda s: _liger_halves(w, s["x"]), call,
+                        lambda args, ret: [_from_liger_halves(w, ret)], note=note)
+
+    @staticmethod
+    def _unusable(w):
+        if w.interleaved:
+            return "Liger's RoPE rotates NeoX halves only"
+        if w.layout == "sbhd" and w.shape[1] != 1:
+            return "sbhd with batch > 1 (Liger's rows are batch-major [b, s])"
+        if len(_rotated_names(w)) == 1 and w.shape[-2] % 2:
+            return _ODD_HEADS
+        return None
+
+    @staticmethod
+    def _bind(w, ctx, backward):
+        """Liger's forward or backward on (q, k) views; per-token tables
+        (thd) are gathered inside the call."""
         from liger_kernel.ops.rope import rope_backward, rope_forward
 
-        names = _rotated_names(w)
-        if w.interleaved:
-            return "n/a: Liger's RoPE rotates NeoX halves only"
-        if w.layout == "sbhd" and w.shape[1] != 1:
-            return "n/a: sbhd with batch > 1 (Liger's rows are batch-major [b, s])"
-        heads = w.shape[-2]
-        if len(names) == 1 and heads % 2:
-            return "n/a: odd head count cannot be split into its q and k"
+        op = rope_backward if backward else rope_forward
         # Liger's backward negates sin itself: both directions take the plain tables.
         cos_t, sin_t = full_tables(ctx, _torch_dtype(w.dtype))
-        op = {False: rope_forward, True: rope_backward}
         if w.layout == "thd":
             pos = ctx.positions
+            return lambda q, k: op(q, k, cos_t[pos].unsqueeze(0), sin_t[pos].unsqueeze(0))[:2]
+        cos = cos_t[:ctx.seq_len].unsqueeze(0).contiguous()
+        sin = sin_t[:ctx.seq_len].unsqueeze(0).contiguous()
+        return lambda q, k: op(q, k, cos, sin)[:2]
 
-            def bind(b):
-                return lambda q, k: op[b](q, k, cos_t[pos].unsqueeze(0),
-                                          sin_t[pos].unsqueeze(0))[:2]
-        else:
-            cs = (cos_t[:ctx.seq_len].unsqueeze(0).contiguous(),
-                  sin_t[:ctx.seq_len].unsqueeze(0).contiguous())
 
-            def bind(b):
-                return lambda q, k: op[b](q, k, cs[0], cs[1])[:2]
-        call = {b: bind(b) for b in (False, True)}
-        h2 = heads // 2
-        gathered = _GATHER_NOTE * (w.layout == "thd")
+def _to_bshd(w, t):
+    """The workload's tensor as a [b, s, h, d] view."""
+    if w.layout == "thd":
+        return t.unsqueeze(0)
+    if w.layout == "sbhd":
+        return t.transpose(0, 1)
+    return t
 
-        def to_bshd(t):
-            """The workload's tensor as [b, s, h, d] (a view)."""
-            if w.layout == "thd":
-                return t.unsqueeze(0)
-            if w.layout == "sbhd":
-                return t.transpose(0, 1)
-            return t
 
-        def from_bshd(t):
-            if w.layout == "thd":
-                return t[0]
-            if w.layout == "sbhd":
-                return t.transpose(0, 1)
-            return t
+def _from_bshd(w, t):
+    if w.layout == "thd":
+        return t[0]
+    if w.layout == "sbhd":
+        return t.transpose(0, 1)
+    return t
 
-        if len(names) == 2:
-            def make_args(s):
-                return (to_bshd(s["q"]).transpose(1, 2), to_bshd(s["k"]).transpose(1, 2))
 
-            def result(args, ret):
-                return [from_bshd(t.transpose(1, 2)) for t in ret]
-            note = "in place" + gathered
-        else:
-            def make_args(s):
-                x = to_bshd(s["x"])
-                if w.strided:
-                    # bhsd storage, as the caller has it: Liger gets bhsd halves.
-                    st = x.transpose(1, 2)
-                    return (st[:, :h2].contiguous(), st[:, h2:].contiguous())
-                return (x[:, :, :h2].contiguous().transpose(1, 2),
-                        x[:, :, h2:].contiguous().transpose(1, 2))
+def _liger_view(w, t):
+    """q or k as the [b, h, s, d] view of [b, s, h, d] storage that Liger takes."""
+    return _to_bshd(w, t).transpose(1, 2)
 
-            def result(args, ret):
-                return [from_bshd(torch.cat([t.transpose(1, 2) for t in ret], dim=2))]
-            note = "in place; x's heads split into its q and k" + gathered
-            if w.strided:
-                note += "; bhsd storage (Liger copies to bshd first)"
-        return Prepared(make_args, call, result, note=note)
+
+def _from_liger_view(w, t):
+    return _from_bshd(w, t.transpose(1, 2))
+
+
+def _liger_halves(w, x):
+    """x's first and second half of heads as Liger's q and k (copies)."""
+    x = _to_bshd(w, x)
+    h2 = w.shape[-2] // 2
+    if w.strided:
+        # bhsd storage, as the caller has it: Liger gets bhsd halves.
+        st = x.transpose(1, 2)
+        return (st[:, :h2].contiguous(), st[:, h2:].contiguous())
+    return (x[:, :, :h2].contiguous().transpose(1, 2), x[:, :, h2:].contiguous().transpose(1, 2))
+
+
+def _from_liger_halves(w, ret):
+    return _from_bshd(w, torch.cat([t.transpose(1, 2) for t in ret], dim=2))
 
 
 class FlashInfer(Peer):
@@ -355,11 +386,11 @@ class FlashInfer(Peer):
     def prepare(self, w, ctx):
         fn = self._fn()
         if w.strided:
-            return "n/a: needs token-major rows (a [b, h, s, d] view would be copied)"
+            return not_applicable("needs token-major rows (a [b, h, s, d] view would be copied)")
         names = _rotated_names(w)
         heads, d = w.shape[-2], w.head_dim
         if len(names) == 1 and heads % 2:
-            return "n/a: odd head count cannot be split into its q and k"
+            return not_applicable(_ODD_HEADS)
         caches = {}
         for b in (False, True):
             sin = -ctx.sin_half if b else ctx.sin_half

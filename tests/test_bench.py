@@ -1,18 +1,20 @@
-"""The benchmark's plumbing: workload definitions, positions, acceptance logic,
-table/JSON/plot output (CPU); the peers' adapters and the correctness check
-on the CPU with torch and stand-ins for Liger and FlashInfer (skipped without
-torch); and one tiny workload end to end on the GPU."""
+"""The benchmark's plumbing: workload definitions, positions, the criteria,
+table/JSON/plot output and the comparison of two runs (CPU); the peers'
+adapters and the correctness check on the CPU with torch and stand-ins for
+Liger and FlashInfer (skipped without torch); and one tiny workload end to
+end on the GPU."""
 
 from __future__ import annotations
 
 import json
 import sys
 import types
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 
-from benchmarks import bench, peers
+from benchmarks import bench, compare, peers
 
 # ----------------------------------------------------------------------------
 # Workload definitions.
@@ -33,30 +35,46 @@ def _w(name):
     return bench.select_workloads([name])[0]
 
 
-def test_shapes_and_bytes():
-    w = _w("sbhd-4096x1x128x128")
-    assert w.layout == "sbhd" and w.seq_len == 4096 and w.dtype == "bfloat16"
-    assert w.moved_bytes() == 2 * 4096 * 128 * 128 * 2
+class Expected(NamedTuple):
+    """A workload's definition as the benchmark's docs state it."""
+
+    name: str
+    kind: str
+    layout: str
+    shape: tuple
+    k_shape: tuple | None
+    dtype: str
+    mode: str
+    seq_len: int | None
+    moved_bytes: int
+
+
+EXPECTED = [
+    Expected("sbhd-4096x1x128x128", "single", "sbhd", (4096, 1, 128, 128), None, "bfloat16",
+             "new", 4096, 2 * 2 * 4096 * 128 * 128),
+    Expected("llama3-8b-prefill-qk", "qk", "bshd", (4, 4096, 32, 128), (4, 4096, 8, 128),
+             "bfloat16", "new", 4096, 2 * 2 * 4 * 4096 * (32 + 8) * 128),
+    Expected("decode-qk-t64", "decode", "thd", (64, 32, 128), (64, 8, 128), "bfloat16",
+             "inplace", None, 2 * 2 * 64 * (32 + 8) * 128),
+    Expected("sbhd-fp32-128x8192x1x128", "single", "sbhd", (128, 8192, 1, 128), None,
+             "float32", "new", 128, 2 * 4 * 128 * 8192 * 128),
+    Expected("diffusion-qk-d80", "qk", "bshd", (2, 4096, 24, 80), (2, 4096, 24, 80),
+             "bfloat16", "new", 4096, 2 * 2 * 2 * 2 * 4096 * 24 * 80),
+    Expected("diffusion-qk-d96", "qk", "bshd", (2, 4096, 24, 96), (2, 4096, 24, 96),
+             "bfloat16", "new", 4096, 2 * 2 * 2 * 2 * 4096 * 24 * 96),
+    Expected("thd-n2401", "thd", "thd", (65536, 32, 128), None, "bfloat16", "new", None,
+             2 * 2 * 65536 * 32 * 128),
+]
+
+
+@pytest.mark.parametrize("want", EXPECTED, ids=[e.name for e in EXPECTED])
+def test_shapes_and_bytes(want):
+    w = _w(want.name)
+    got = Expected(w.name, w.kind, w.layout, w.shape, w.k_shape, w.dtype, w.mode, w.seq_len,
+                   w.moved_bytes())
+    assert got == want
     assert w.copy_bytes() == w.moved_bytes() // 2
-
-    w = _w("llama3-8b-prefill-qk")
-    assert w.kind == "qk" and w.shape == (4, 4096, 32, 128) and w.k_shape == (4, 4096, 8, 128)
-    assert w.moved_bytes() == 2 * 2 * 4 * 4096 * (32 + 8) * 128
-
-    w = _w("decode-qk-t64")
-    assert w.mode == "inplace" and w.layout == "thd" and w.k_shape == (64, 8, 128)
-    assert w.moved_bytes() == 2 * 2 * 64 * 40 * 128
-
-    w = _w("sbhd-fp32-128x8192x1x128")
-    assert w.dtype == "float32" and w.seq_len == 128 and w.itemsize == 4
-    assert w.moved_bytes() == 2 * 4 * 128 * 8192 * 128
-
-    for d in (80, 96):
-        w = _w(f"diffusion-qk-d{d}")
-        assert w.shape == (2, 4096, 24, d) and w.k_shape == w.shape and w.rotary_dim == d
-
-    w = _w("thd-n2401")
-    assert w.shape == (65536, 32, 128) and w.n_seqs == 2401 and w.seq_len is None
+    assert w.rotary_dim == w.head_dim
 
 
 def test_partial_rows_share_the_full_rows_shape():
@@ -76,10 +94,14 @@ def test_strided_twin():
     assert s.shape == c.shape and s.moved_bytes() == c.moved_bytes()
 
 
-def test_roofline_set():
-    big = {w.name for w in bench.WORKLOADS if w.moved_bytes() >= bench.ROOFLINE_MIN_BYTES}
-    assert "partial-0.25" in big and "thd-n1" in big
-    assert not any(n.startswith("decode") for n in big)
+#: The workloads too small to be held to the copy roofline.
+BELOW_ROOFLINE = {"decode-qk-t1", "decode-qk-t16", "decode-qk-t64"}
+
+
+@pytest.mark.parametrize("w", bench.WORKLOADS, ids=[w.name for w in bench.WORKLOADS])
+def test_roofline_set(w):
+    held = w.moved_bytes() >= bench.ROOFLINE_MIN_BYTES
+    assert held == (w.name not in BELOW_ROOFLINE)
 
 
 def test_select_workloads():
@@ -96,6 +118,16 @@ def test_cli_list(capsys):
     assert bench.main(["--list", "--filter", "decode"]) == 0
     out = capsys.readouterr().out
     assert "decode-qk-t1 " in out and "thd-n1" not in out
+
+
+def test_cli_help_documents_the_command(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("python -m benchmarks.bench", "of copy", "forward and backward",
+                 "Decode host cost", "python -m benchmarks.compare", "--filter", "--peers"):
+        assert text in out, text
 
 
 # ----------------------------------------------------------------------------
@@ -167,19 +199,9 @@ def _result(rows, names, host=None):
 
 
 def _with_best(rows):
-    # what _run_workload adds to our rows
-    for d in ("fwd", "bwd"):
-        for w in {r["workload"] for r in rows}:
-            ours = [r for r in rows if r["workload"] == w and r["direction"] == d
-                    and r["impl"] == bench.OURS]
-            others = [r for r in rows if r["workload"] == w and r["direction"] == d
-                      and r["impl"] != bench.OURS and r["status"] == "ok"]
-            if ours and others:
-                best = min(others, key=lambda r: r["time_us"])
-                ours[0]["best_peer"] = best["impl"]
-                ours[0]["best_peer_time_us"] = best["time_us"]
-                if ours[0]["status"] == "ok":
-                    ours[0]["speedup_vs_best_peer"] = best["time_us"] / ours[0]["time_us"]
+    """What _run_workload adds to cupy-rope's rows, workload by workload."""
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        bench._mark_best_peer([r for r in rows if r["workload"] == name])
     return rows
 
 
@@ -205,6 +227,13 @@ def _all_pass_result():
 
 def _status(items):
     return {it["item"]: it["status"] for it in items}
+
+
+def test_criteria_table():
+    assert [c.item for c in bench.CRITERIA] == ["1a", "1b", "2", "3", "4", "5", "6"]
+    items = bench.acceptance(_all_pass_result())
+    assert [(it["item"], it["what"]) for it in items] == [(c.item, c.what)
+                                                          for c in bench.CRITERIA]
 
 
 def test_acceptance_all_pass():
@@ -315,6 +344,9 @@ def test_acceptance_slower_than_peer_and_errors():
         assert items[k]["status"] == "SKIP"
 
 
+THD = ("thd-n1", "thd-n128", "thd-n2401")
+
+
 def test_acceptance_thd_compares_the_positions_row_with_the_peers():
     """On thd the peers get per-token positions gathered outside their timed
     call: [1b] takes cupy-rope's row on those positions and reports the
@@ -322,17 +354,17 @@ def test_acceptance_thd_compares_the_positions_row_with_the_peers():
     roofline."""
     res = _all_pass_result()
     for r in list(res["rows"]):
-        if r["workload"].startswith("thd") and r["impl"] == bench.OURS:
+        if r["workload"] in THD and r["impl"] == bench.OURS:
             pos = dict(r, impl=bench.OURS_POSITIONS, time_us=r["time_us"] * 0.98)
             res["rows"].append(pos)
             r["time_us"] *= 1.2  # cu_seqlens: slower than the peer below
     for r in res["rows"]:
-        if r["workload"].startswith("thd") and r["impl"] == "torch-eager":
+        if r["workload"] in THD and r["impl"] == "torch-eager":
             r["time_us"] = 390.0 * 1.1
     for r in res["rows"]:  # what _run_workload computes for both of our rows
         r.pop("speedup_vs_best_peer", None)
         r.pop("best_peer", None)
-    _with_best_both(res["rows"])
+    _with_best(res["rows"])
     by = {it["item"]: it for it in bench.acceptance(res)}
     assert by["1b"]["status"] == "PASS", by["1b"]
     assert "thd with cu_seqlens" in by["1b"]["detail"]
@@ -343,8 +375,8 @@ def test_acceptance_thd_compares_the_positions_row_with_the_peers():
             r["fraction_of_copy"] = 0.9
     by = {it["item"]: it for it in bench.acceptance(res)}
     assert by["1b"]["status"] == "FAIL"
-    assert any(f.startswith("thd-n128 fwd positions") for f in by["1b"]["failures"])
-    assert any(f.startswith("thd-n128 fwd positions: 0.900") for f in by["1a"]["failures"])
+    assert "thd-n128 fwd positions: 0.858x vs torch-eager" in by["1b"]["failures"]
+    assert "thd-n128 fwd positions: 0.900" in by["1a"]["failures"]
     # an errored positions row fails both items, named as the positions row
     for r in res["rows"]:
         if r["impl"] == bench.OURS_POSITIONS and r["workload"] == "thd-n1":
@@ -353,19 +385,6 @@ def test_acceptance_thd_compares_the_positions_row_with_the_peers():
     by = {it["item"]: it for it in bench.acceptance(res)}
     assert "thd-n1 fwd positions: error" in by["1b"]["failures"]
     assert "thd-n1 fwd positions: error (boom)" in by["1a"]["failures"]
-
-
-def _with_best_both(rows):
-    for d in ("fwd", "bwd"):
-        for w in {r["workload"] for r in rows}:
-            others = [r for r in rows if r["workload"] == w and r["direction"] == d
-                      and r["impl"] not in bench.OURS_IMPLS and r["status"] == "ok"]
-            for r in rows:
-                if (r["workload"], r["direction"]) == (w, d) and r["impl"] in bench.OURS_IMPLS \
-                        and others:
-                    best = min(others, key=lambda o: o["time_us"])
-                    r["best_peer"], r["best_peer_time_us"] = best["impl"], best["time_us"]
-                    r["speedup_vs_best_peer"] = best["time_us"] / r["time_us"]
 
 
 def test_acceptance_no_peer_is_skip():
@@ -392,7 +411,7 @@ def test_format_table_and_json(tmp_path):
     res["acceptance"] = bench.acceptance(res)
     table = bench.format_table(res)
     lines = table.splitlines()
-    assert lines[0].startswith("device: Fake GPU")
+    assert lines[0].split(";")[0] == "device: Fake GPU"
     assert any("d2d copy" in ln and "thd-n1" in ln for ln in lines)
     ours = [ln for ln in lines if "sbhd-4096x1x128x128" in ln and bench.OURS in ln]
     assert len(ours) == 2 and all("3.000x" in ln and "best peer torch-eager" in ln for ln in ours)
@@ -427,6 +446,144 @@ def test_peer_registry():
     assert peers.make("none") == []
     with pytest.raises(ValueError, match="unknown peer"):
         peers.make("nope")
+
+
+# ----------------------------------------------------------------------------
+# Comparing two runs (benchmarks/compare.py), on synthetic results.
+
+CMP_NAMES = ["sbhd-4096x1x128x128", "thd-n1"]
+
+
+def _run_result(factor=1.0, host_factor=1.0, drop=(), failed=()):
+    """A synthetic run: cupy-rope (and on thd its positions row) and a peer on
+    CMP_NAMES, times scaled by ``factor``; rows keyed (workload, impl,
+    direction) in ``drop`` are left out, those in ``failed`` errored."""
+    rows = []
+    for n in CMP_NAMES:
+        impls = [bench.OURS, "torch-eager"] + ([bench.OURS_POSITIONS] if n == "thd-n1" else [])
+        for impl in impls:
+            for d in ("fwd", "bwd"):
+                if (n, impl, d) in drop:
+                    continue
+                t = 100.0 * factor * (3 if impl == "torch-eager" else 1)
+                status = "error" if (n, impl, d) in failed else "ok"
+                rows.append(_r(n, d, impl, t, copy_t=97.0, status=status))
+    host = {k: v * host_factor if isinstance(v, float) else v for k, v in GOOD_HOST.items()}
+    return _result(rows, CMP_NAMES, host)
+
+
+class CmpCase(NamedTuple):
+    factor: float
+    threshold: float
+    flagged: bool
+
+
+CMP_CASES = {
+    "same": CmpCase(1.0, 0.01, False),
+    "within-noise": CmpCase(1.005, 0.01, False),
+    "slower": CmpCase(1.02, 0.01, True),
+    "faster": CmpCase(0.98, 0.01, True),
+    "slower-wider-threshold": CmpCase(1.02, 0.05, False),
+}
+
+
+@pytest.mark.parametrize("case", CMP_CASES.values(), ids=CMP_CASES.keys())
+def test_compare_flags_rows_beyond_the_threshold(case):
+    c = compare.compare(_run_result(), _run_result(case.factor), threshold=case.threshold,
+                        host_threshold=1.0)
+    keys = [(r.workload, r.impl, r.direction) for r in c.gpu]
+    assert keys == [("sbhd-4096x1x128x128", bench.OURS, "fwd"),
+                    ("sbhd-4096x1x128x128", bench.OURS, "bwd"),
+                    ("thd-n1", bench.OURS, "fwd"), ("thd-n1", bench.OURS, "bwd"),
+                    ("thd-n1", bench.OURS_POSITIONS, "fwd"),
+                    ("thd-n1", bench.OURS_POSITIONS, "bwd")]
+    for r in c.gpu:
+        assert r.old == pytest.approx(100.0) and r.new == pytest.approx(100.0 * case.factor)
+        assert r.ratio == pytest.approx(case.factor) and r.copy_ratio == pytest.approx(1.0)
+        assert c.flagged(r) == case.flagged
+    assert len(c.flags()) == (6 if case.flagged else 0)
+
+
+class MissingCase(NamedTuple):
+    old: dict
+    new: dict
+    note: str
+
+
+_KEY = ("thd-n1", bench.OURS_POSITIONS, "bwd")
+MISSING_CASES = {
+    "missing-in-new": MissingCase({}, {"drop": {_KEY}}, "new: missing"),
+    "missing-in-old": MissingCase({"drop": {_KEY}}, {}, "old: missing"),
+    "error-in-new": MissingCase({}, {"failed": {_KEY}}, "new: error"),
+}
+
+
+@pytest.mark.parametrize("case", MISSING_CASES.values(), ids=MISSING_CASES.keys())
+def test_compare_flags_rows_that_one_run_lacks(case):
+    c = compare.compare(_run_result(**case.old), _run_result(**case.new))
+    (row,) = c.flags()
+    assert (row.workload, row.impl, row.direction) == _KEY
+    assert row.ratio is None and row.note == case.note
+    assert len(c.gpu) == 6
+
+
+def test_compare_host_rows_side_by_side():
+    old = _run_result()
+    old["host"].update(torch_bound_us_per_call=7.5, torch_python_us_per_call=4.0)
+    new = _run_result(host_factor=1.03)
+    new["host"].update(torch_bound_us_per_call=7.5, torch_python_us_per_call=4.0)
+    c = compare.compare(old, new, threshold=0.01, host_threshold=0.05)
+    host = {r.impl: r for r in c.host}
+    assert list(host) == ["torch apply_rope_qk", "torch RotaryEmbedding.qk_",
+                          "torch Python share of qk_", "cupy apply_rope_qk",
+                          "CUDA graph replay, GPU per call", "CUDA graph replay, wall per call"]
+    assert host["torch apply_rope_qk"].ratio == pytest.approx(1.03)
+    assert host["torch RotaryEmbedding.qk_"].ratio == pytest.approx(1.0)
+    assert not c.flags()  # 3% is within the host threshold
+    assert len(compare.compare(old, new, threshold=0.01).flags()) == 4  # host defaults to 1%
+
+
+def test_compare_other_impls_on_request():
+    c = compare.compare(_run_result(), _run_result(), impls=("torch-eager",))
+    assert {r.impl for r in c.gpu} == {"torch-eager"} and len(c.gpu) == 4
+
+
+def test_compare_table_and_cli(tmp_path, capsys):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    bench.write_json(_run_result(), old)
+    bench.write_json(_run_result(1.02), new)
+    assert compare.main([str(old), str(new)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "old: Fake GPU; new: Fake GPU (same GPU)"
+    row = next(ln for ln in out if ln.split()[:4] == ["thd-n1", "bwd", "cupy-rope", "pos"])
+    assert row.split()[-5:] == ["100.00", "102.00", "1.0200", "1.0000", "<<"]
+    assert "decode host cost, median per call:" in out
+    assert out[-1] == ("6 of 10 rows flagged (GPU rows beyond 1.0%, host rows beyond 1.0%, "
+                       "or missing)")
+    assert compare.main([str(old), str(new), "--strict"]) == 1
+    assert compare.main([str(old), str(new), "--strict", "--threshold", "0.05"]) == 0
+
+
+def test_compare_names_differing_settings():
+    old, new = _run_result(), _run_result()
+    new["config"] = dict(old["config"], reps=5)
+    text = compare.format_comparison(compare.compare(old, new))
+    assert text.splitlines()[1] == ("the runs' settings differ: old {'reps': 3, 'sets': 2}, "
+                                    "new {'reps': 5, 'sets': 2}")
+    assert "settings differ" not in compare.format_comparison(compare.compare(old, old))
+
+
+def test_compare_rejects_bad_input(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"device": "x"}))
+    with pytest.raises(ValueError, match="old: .* is not a benchmark result"):
+        compare.load(str(bad), "old")
+    with pytest.raises(ValueError, match="threshold must be >= 0"):
+        compare.compare(_run_result(), _run_result(), threshold=-0.1)
+
+
+def test_compare_knows_our_impls():
+    assert compare.OURS_IMPLS == bench.OURS_IMPLS
 
 
 # ----------------------------------------------------------------------------
@@ -469,27 +626,31 @@ def _fake_flashinfer(torch):
     return mod
 
 
+def _small(w, *n_a):
+    """A small workload for the CPU, and the peers that answer n/a on it."""
+    return pytest.param(w, set(n_a), id=w.name)
+
+
 SMALL = [
-    bench.Workload("t-sbhd-b1", "", "single", "sbhd", (16, 1, 4, 8)),
-    bench.Workload("t-sbhd-b3", "", "single", "sbhd", (16, 3, 4, 8)),
-    bench.Workload("t-bshd", "", "single", "bshd", (2, 16, 4, 8)),
-    bench.Workload("t-fp32", "", "single", "sbhd", (8, 5, 1, 8), dtype="float32"),
-    bench.Workload("t-qk", "", "qk", "bshd", (2, 16, 4, 10), k_heads=2),
-    bench.Workload("t-decode", "", "decode", "thd", (5, 4, 8), k_heads=2, mode="inplace",
-                   max_position=64),
-    bench.Workload("t-thd", "", "thd", "thd", (40, 4, 8), n_seqs=3),
-    bench.Workload("t-full", "", "single", "bshd", (2, 16, 4, 16), mode="inplace"),
-    bench.Workload("t-partial", "", "single", "bshd", (2, 16, 4, 16), mode="inplace",
-                   rotary_frac=0.25),
-    bench.Workload("t-strided", "", "single", "bshd", (2, 16, 4, 8), strided=True),
+    _small(bench.Workload("t-sbhd-b1", "", "single", "sbhd", (16, 1, 4, 8))),
+    _small(bench.Workload("t-sbhd-b3", "", "single", "sbhd", (16, 3, 4, 8)), "liger"),
+    _small(bench.Workload("t-bshd", "", "single", "bshd", (2, 16, 4, 8))),
+    _small(bench.Workload("t-fp32", "", "single", "sbhd", (8, 5, 1, 8), dtype="float32"),
+           "liger", "flashinfer"),
+    _small(bench.Workload("t-qk", "", "qk", "bshd", (2, 16, 4, 10), k_heads=2)),
+    _small(bench.Workload("t-decode", "", "decode", "thd", (5, 4, 8), k_heads=2, mode="inplace",
+                          max_position=64)),
+    _small(bench.Workload("t-thd", "", "thd", "thd", (40, 4, 8), n_seqs=3)),
+    _small(bench.Workload("t-full", "", "single", "bshd", (2, 16, 4, 16), mode="inplace")),
+    _small(bench.Workload("t-partial", "", "single", "bshd", (2, 16, 4, 16), mode="inplace",
+                          rotary_frac=0.25)),
+    _small(bench.Workload("t-strided", "", "single", "bshd", (2, 16, 4, 8), strided=True),
+           "flashinfer"),
 ]
 
-NA = {("liger", "t-sbhd-b3"), ("liger", "t-fp32"), ("flashinfer", "t-strided"),
-      ("flashinfer", "t-fp32")}
 
-
-@pytest.mark.parametrize("w", SMALL, ids=[w.name for w in SMALL])
-def test_peer_adapters_on_cpu(w, monkeypatch):
+@pytest.mark.parametrize("w, n_a", SMALL)
+def test_peer_adapters_on_cpu(w, n_a, monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
     monkeypatch.setitem(sys.modules, "liger_kernel.ops", types.ModuleType("liger_kernel.ops"))
@@ -507,11 +668,9 @@ def test_peer_adapters_on_cpu(w, monkeypatch):
                 assert st["out"].stride() == st["x"].stride()
     prepared = [(p.name, p.prepare(w, ctx))
                 for p in (peers.TorchFormula(), peers.Liger(), peers.FlashInfer())]
-    for name, prep in prepared:
-        if (name, w.name) in NA:
-            assert isinstance(prep, str) and prep.startswith("n/a"), (name, prep)
-        else:
-            assert not isinstance(prep, str), (name, prep)
+    unusable = {name: prep for name, prep in prepared if isinstance(prep, peers.Unusable)}
+    assert set(unusable) == n_a, unusable
+    assert all(u.status == "n/a" and u.reason for u in unusable.values()), unusable
     checks = bench.check_outputs(w, ctx, prepared, base, env)
     tol = bench.CHECK_TOLERANCE[w.dtype]
     for (name, backward), err in checks.items():
@@ -523,6 +682,60 @@ def test_peer_adapters_on_cpu(w, monkeypatch):
                          lambda a, ret: list(ret))
     errs = bench.check_outputs(w, ctx, [("bad", bad)], base, env)
     assert max(errs.values()) > tol
+
+
+class _NotApplicablePeer(peers.Peer):
+    name = "never"
+
+    def prepare(self, w, ctx):
+        return peers.not_applicable("cannot express this")
+
+
+RUN_CPU = [bench.Workload("t-sbhd-fp32", "", "single", "sbhd", (16, 3, 4, 8), dtype="float32"),
+           bench.Workload("t-qk-fp32", "", "qk", "bshd", (2, 16, 4, 8), k_heads=2,
+                          dtype="float32"),
+           bench.Workload("t-decode-fp32", "", "decode", "thd", (5, 4, 8), k_heads=2,
+                          mode="inplace", max_position=64, dtype="float32"),
+           bench.Workload("t-thd-fp32", "", "thd", "thd", (40, 4, 8), n_seqs=3, dtype="float32"),
+           bench.Workload("t-partial-fp32", "", "single", "bshd", (2, 16, 4, 16),
+                          mode="inplace", rotary_frac=0.25, dtype="float32")]
+
+
+@pytest.mark.parametrize("w", RUN_CPU, ids=[w.name for w in RUN_CPU])
+def test_run_workload_rows_on_cpu(w, monkeypatch):
+    """One workload's rows through the real plumbing (prepare, check, rows,
+    best peer), on the CPU: cupy-rope's NumPy path on torch CPU tensors, the
+    torch formula as the peer; the GPU timers replaced by fixed times."""
+    pytest.importorskip("torch")
+    times = iter(range(1, 1000))
+
+    def fake_time_call(fn, sets, reps=30, warmup=5):
+        fn(*sets[0])
+        return bench.Timed(0.1 * next(times), True)
+
+    monkeypatch.setattr(bench, "time_call", fake_time_call)
+    monkeypatch.setattr(bench, "copy_ms", lambda nbytes, n_sets=3, reps=30: 0.05)
+    env = bench._Env(device="cpu")
+    rows = bench._run_workload(w, env, [peers.TorchFormula(), _NotApplicablePeer()], reps=3,
+                               n_sets=2, warmup=1, check=True)
+    ours = [bench.OURS] + ([bench.OURS_POSITIONS] if w.kind == "thd" else [])
+    assert [(r["impl"], r["direction"]) for r in rows] == [
+        (impl, d) for impl in ours + ["torch-eager", "never"] for d in ("fwd", "bwd")]
+    by = {(r["impl"], r["direction"]): r for r in rows}
+    for impl in ours + ["torch-eager"]:
+        for d in ("fwd", "bwd"):
+            r = by[impl, d]
+            assert r["status"] == "ok", r
+            assert r["check_error"] <= bench.CHECK_TOLERANCE["float32"]
+            assert r["fraction_of_copy"] == pytest.approx(r["copy_time_us"] / r["time_us"])
+    for d in ("fwd", "bwd"):
+        assert by["never", d]["status"] == "n/a"
+        assert by["never", d]["note"] == "cannot express this"
+        peer = by["torch-eager", d]
+        for impl in ours:
+            r = by[impl, d]
+            assert r["best_peer"] == "torch-eager"
+            assert r["speedup_vs_best_peer"] == pytest.approx(peer["time_us"] / r["time_us"])
 
 
 # ----------------------------------------------------------------------------
