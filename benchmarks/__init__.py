@@ -1,1 +1,6 @@
-"""Benchmark harness (outside the installed package): python -m benchmarks.bench."""
+"""Benchmark harness, outside the installed package.
+
+``python -m benchmarks.bench`` is the benchmark; ``python -m benchmarks.compare``
+sets two of its runs side by side; ``python -m benchmarks.launch_cost`` takes
+the host cost of a decode call apart.
+"""
