@@ -1,7 +1,8 @@
 """cupy-rope: rotary position embedding kernels for any GPU array framework.
 
 CUDA C++ templates compiled at run time with NVRTC (through CuPy), exchanged
-with PyTorch, JAX and CuPy over DLPack without copies.
+with PyTorch, JAX and CuPy over DLPack without copies; NumPy inputs run the
+float64 reference. The functions are described in ``docs/api.md``.
 """
 
 from .api import (RotaryEmbedding, apply_rope, apply_rope_backward, apply_rope_qk,

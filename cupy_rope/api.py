@@ -1,32 +1,12 @@
-"""Public functions.
+"""The public functions: :func:`apply_rope` and its variants, and
+:class:`RotaryEmbedding`.
 
-Every function takes the same angle and position arguments (docs/api.md):
-
-- One angle source, indexed by frequency f in [0, r/2) (r = rotary_dim):
-  ``cos``, ``sin``: [max_position, r/2] tables (float32 or the input's dtype);
-  ``cos_sin_cache``: [max_position, r] with cos in the first half and sin in
-  the second (vLLM / FlashInfer); ``inv_freq``: [r/2] float32, the angle
-  position * inv_freq[f] computed in the kernel (no table traffic);
-  ``freqs``: [max_position, r/2] float32 angles.
-- Positions: by default the sequence index (bshd/sbhd: the s axis; thd: the
-  index inside each ``cu_seqlens`` sequence, or the token index without
-  cu_seqlens); ``positions`` replaces it ([s] or [b, s]; thd: [t]);
-  ``offsets`` (an int, or [b] / [n_seqs] int32/int64) is added. With
-  ``cp_size`` > 1 implied positions are those of context-parallel rank
-  ``cp_rank`` (see :func:`apply_rope`).
-- ``layout``: "bshd" [b, s, h, d], "sbhd" [s, b, h, d] or "thd" [t, h, d];
-  any strides, no copies. Heads and channels may be flattened ([.., h * d])
-  when ``head_dim`` is given.
-- ``interleaved``: False for NeoX / rotate-half pairs (f, f + r/2), True for
-  GPT-J pairs (2f, 2f + 1). ``backward=True`` rotates by -theta: the gradient
-  of the forward rotation.
-
-Inputs are torch, JAX, CuPy or any DLPack arrays on a CUDA device; results
-come back in the caller's framework (torch -> torch, JAX -> JAX, others ->
-CuPy), computed on the caller's current stream without any sync. NumPy
-inputs run the float64 NumPy reference. A call whose signature (shapes,
-strides, dtypes, pointer alignment, options) was seen before reuses its
-launch plan: only the data pointers are read and the kernel is launched.
+Every function takes the angle, position and layout arguments described
+once in ``docs/api.md``. A call goes down the layers: a signature seen
+before launches from a cache here; any other call has each array
+described once and validated (:mod:`cupy_rope.validate`), then is planned
+(:mod:`cupy_rope.launch`) and launched, or, for NumPy inputs, computed by
+the float64 reference (:mod:`cupy_rope.reference`).
 """
 
 from __future__ import annotations
@@ -35,18 +15,63 @@ import functools
 import os
 import sys
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
 from . import interop, launch, reference
 from . import validate
-from .validate import check_call
+from .validate import INPUT_NAMES, OUTPUT_NAMES, TABLE_NAMES
 
 _plans: dict = {}
 _plans_lock = threading.Lock()
 _MAX_PLANS = 4096
 #: Check device-resident cu_seqlens values too (costs a device sync per call).
 CHECK_DEVICE_VALUES = os.environ.get("CUPY_ROPE_CHECK_DEVICE_VALUES", "") not in ("", "0")
+
+
+# ------------------------------------------------------------- the ops --
+# _execute gets an op's arrays as three tuples, ``head`` (its inputs),
+# ``tables`` (TABLE_NAMES) and ``tail`` (positions, cu_seqlens, its outputs),
+# and its options as one plain tuple (a tuple literal: building a named
+# structure would cost every cached call), whose fields _Op.options names.
+_COMMON_OPTIONS = ("layout", "interleaved", "rotary_dim", "head_dim", "cp_size", "cp_rank",
+                   "sections", "sections_interleaved")
+
+
+class _Op(NamedTuple):
+    """How one operation's arguments reach _execute."""
+
+    roles: tuple  # its arrays' names in _execute's order (head + tables + tail)
+    options: tuple  # the validate.Options fields its option tuple holds, in order
+    fixed: dict  # the Options it always has
+
+
+def _op(name: str, options: tuple, **fixed) -> _Op:
+    roles = INPUT_NAMES[name] + TABLE_NAMES + ("positions", "cu_seqlens") + OUTPUT_NAMES[name]
+    return _Op(roles, _COMMON_OPTIONS + options, fixed)
+
+
+_OPS = {"rope": _op("rope", ("inplace", "backward")),
+        "qk": _op("qk", ("inplace", "backward")),
+        "qkv": _op("qkv", ("backward", "num_q_heads", "num_kv_heads", "packing")),
+        "qkv_backward": _op("qkv_backward", ("packing",), backward=True)}
+
+
+def _first_output(op: str) -> int:
+    return _OPS[op].roles.index(OUTPUT_NAMES[op][0])
+
+
+# Where each op's outputs sit in its array tuple (the results read them on
+# every call, so as constants).
+_ROPE_OUT, _QK_OUT, _QKV_OUT, _QKV_BACKWARD_OUT = (
+    _first_output(op) for op in ("rope", "qk", "qkv", "qkv_backward"))
+
+
+def _named_options(op: str, options: tuple) -> validate.Options:
+    """The op's option tuple as validate.Options."""
+    spec = _OPS[op]
+    return validate.Options(**dict(zip(spec.options, options)), **spec.fixed)
 
 
 class _Prepared:
@@ -141,10 +166,22 @@ class _FastCall:
 
 
 def clear_plans() -> None:
-    """Forget every cached launch plan: the general path's and the functional
-    fast path's (RotaryEmbedding objects keep their own qk_ launchers). The
-    next call of each signature is validated and planned again, under the
-    launcher's rules of that moment (scripts and tests that change them)."""
+    """Forget every cached launch plan.
+
+    Clears the general path's plans and the functional fast path's
+    launchers (a :class:`RotaryEmbedding` keeps its own ``qk_`` launchers).
+    The next call of each signature is validated and planned again, under
+    the launch policy of that moment: for scripts and tests that change it.
+
+    Returns
+    -------
+    None
+
+    Example
+    -------
+    >>> import cupy_rope
+    >>> cupy_rope.api.clear_plans()
+    """
     with _plans_lock:
         _plans.clear()
         _fast_calls.clear()
@@ -170,14 +207,16 @@ def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None
 
     The op's array arguments (None where absent) come in three parts:
     ``head`` (x; q, k; qkv; dq, dk, dv), ``tables`` (cos, sin, inv_freq,
-    freqs, cos_sin_cache) and ``tail`` (positions, cu_seqlens, outputs).
-    The key is the op, its options and every array's signature. ``bound``
-    (a :class:`RotaryEmbedding`'s signed tables) replaces signing the tables;
-    ``remember(prepared)`` is called with the prepared plan of a call whose
-    arrays all have distinct pointers (RotaryEmbedding.qk_ keeps a launcher).
-    Calls without a ``remember`` of their own (qk_ brings one for a
-    signature it will keep) look their pattern up in ``_fast_calls`` first;
-    on a signature's first call there, its ``remember`` keeps the launcher.
+    freqs, cos_sin_cache) and ``tail`` (positions, cu_seqlens, outputs), as
+    ``_OPS[op].roles`` names them; ``options`` is the op's option tuple
+    (``_OPS[op].options``). The key is the op, its options and every
+    array's signature. ``bound`` (a :class:`RotaryEmbedding`'s signed
+    tables) replaces signing the tables; ``remember(prepared)`` is called
+    with the prepared plan of a call whose arrays all have distinct
+    pointers (RotaryEmbedding.qk_ keeps a launcher). Calls without a
+    ``remember`` of their own (qk_ brings one for a signature it will keep)
+    look their pattern up in ``_fast_calls`` first; on a signature's first
+    call there, its ``remember`` keeps the launcher.
     """
     if remember is None and (offsets is None or type(offsets) is int):
         arrays = head + tables + tail
@@ -217,11 +256,7 @@ def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None
     key = [op, options, tuple(map(type, options))]
     ptrs: list = []
     signers = _SIGNERS
-    if bound is None:
-        parts = (head, tables, tail)
-    else:
-        parts = (head, tail)
-    for part in parts:
+    for part in ((head, tables, tail) if bound is None else (head, tail)):
         for a in part:
             if a is None:
                 key.append(None)
@@ -256,9 +291,16 @@ def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None
                 if remember is not None:
                     remember(prepared)
                 return result
+    return _uncached(op, arrays, options, offsets, key, bound, remember)
+
+
+def _uncached(op, arrays, options, offsets, key, bound, remember):
+    """A call no cache served: the general path, then ``remember`` the plan
+    it cached under ``key``, if any."""
     if bound is not None:
-        _check_bound_tables(tables, bound[0])
-    result = _slow(op, arrays, _KWARGS[op](head, tables, tail, options), offsets, key)
+        n = len(INPUT_NAMES[op])
+        _check_bound_tables(arrays[n:n + len(TABLE_NAMES)], bound[0])
+    result = _slow(op, arrays, options, offsets, key)
     if remember is not None and key is not None:
         prepared = _plans.get(key)
         if prepared is not None:
@@ -267,9 +309,35 @@ def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None
 
 
 def option_kwargs(kw: dict, layout="bshd", interleaved=False, rotary_dim=None, head_dim=None,
-                   cp_size=1, cp_rank=0, sections=None, sections_interleaved=False) -> dict:
-    """Add the layout options that differ from the defaults to ``kw`` (the
-    framework adapters build library calls with it); returns ``kw``."""
+                  cp_size=1, cp_rank=0, sections=None, sections_interleaved=False) -> dict:
+    """Add the layout options that differ from the defaults to ``kw``.
+
+    The framework adapters (:mod:`cupy_rope.torch`, :mod:`cupy_rope.jax`)
+    build library calls with it.
+
+    Parameters
+    ----------
+    kw : dict
+        Keyword arguments of a library call, updated in place.
+    layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank, sections, \
+sections_interleaved
+        As for :func:`apply_rope`.
+
+    Returns
+    -------
+    dict
+        ``kw``.
+
+    Raises
+    ------
+    TypeError
+        For a flag that is not a bool or a count that is not an int.
+
+    Example
+    -------
+    >>> option_kwargs({}, layout="thd", rotary_dim=64)
+    {'layout': 'thd', 'rotary_dim': 64}
+    """
     if layout != "bshd":
         kw["layout"] = layout
     for flag, name in ((interleaved, "interleaved"),
@@ -292,13 +360,10 @@ def option_kwargs(kw: dict, layout="bshd", interleaved=False, rotary_dim=None, h
     return kw
 
 
-_TABLE_NAMES = ("cos", "sin", "inv_freq", "freqs", "cos_sin_cache")
-
-
 def _check_bound_tables(tables, signed) -> None:
     """A RotaryEmbedding's tables must still be what it signed (else a plan made
     for the changed table would be cached under the old signature)."""
-    for name, t, sig in zip(_TABLE_NAMES, tables, signed[1:]):
+    for name, t, sig in zip(TABLE_NAMES, tables, signed[1:]):
         if t is not None and _sig_of(t) != sig:
             raise ValueError(f"{name}: the RotaryEmbedding's table changed since it was "
                              "bound (shape, strides, dtype, device or memory alignment); "
@@ -318,15 +383,31 @@ def _split_offsets(offsets):
     return 0, offsets  # an array, or a bad value (bool, float) that validation refuses
 
 
-def _slow(op, arrays, kwargs, offsets, key):
-    """Validate everything, allocate outputs, plan, launch; cache the plan."""
-    call = check_call(offsets=offsets, **kwargs)  # raises on bad input
+# ------------------------------------------------------------ general path --
+def _slow(op, arrays, options, offsets, key):
+    """Describe each array once, validate, then compute on the NumPy
+    reference or plan, launch and cache the plan under ``key`` (None: not
+    cacheable). ``arrays`` are _execute's, in ``_OPS[op].roles`` order
+    (then the offsets array, if any); raises on bad input."""
+    named = validate.check_options(_named_options(op, options))
+    n_in, n_tables = len(INPUT_NAMES[op]), len(TABLE_NAMES)
+    at = n_in + n_tables  # positions, cu_seqlens, then the outputs
+    described = validate.describe_arrays(
+        op, arrays[:n_in], arrays[n_in:at], arrays[at], offsets, arrays[at + 1],
+        arrays[at + 2:at + 2 + len(OUTPUT_NAMES[op])])
+    call = validate.check(described, named)
     if not call.on_gpu:
-        allocated, out_kw = _allocate(op, call)
+        allocated = _allocate(op, call)
         if allocated:
-            call = check_call(offsets=offsets, **{**kwargs, **out_kw})
+            call = _attach(op, call, allocated, named)
         _numpy_into(call)
         return _RESULTS[op](arrays, allocated)
+    return _plan_and_launch(op, arrays, call, named, key)
+
+
+def _plan_and_launch(op, arrays, call, options, key):
+    """The GPU part of the general path: upload host cu_seqlens, allocate
+    outputs, plan, cache the plan (``key`` not None), launch."""
     cacheable = key is not None
     uploaded = []
     cu = call.cu_seqlens
@@ -334,62 +415,79 @@ def _slow(op, arrays, kwargs, offsets, key):
         # Host cu_seqlens (their values were checked): uploaded on the launch
         # stream for this call, which then waits for the kernel (below).
         uploaded = [interop.to_device(cu, call.device[1], interop.stream_for(call.x))]
-        kwargs = {**kwargs, "cu_seqlens": uploaded[0]}
+        call = call._replace(cu_seqlens=interop.describe(uploaded[0], "cu_seqlens"))
         cacheable = False
     elif cu is not None and CHECK_DEVICE_VALUES:
         host = interop.describe(interop.to_host(cu.obj), "cu_seqlens")
         validate.check_cu_seqlens(host, call.tokens, call.cp_size)
         cacheable = False
-    allocated, out_kw = _allocate(op, call)
-    if allocated or uploaded:
-        kwargs = {**kwargs, **out_kw}
-        call = check_call(offsets=offsets, **kwargs)
+    allocated = _allocate(op, call)
+    if allocated:
+        call = _attach(op, call, allocated, options)
     n_user = len(arrays)
     arrays = list(arrays) + allocated + uploaded
     disjoint = launch.disjoint_pairs(call, arrays, set(range(n_user, len(arrays))))
     plan = launch.Plan(call, arrays)
-    offset_range = (-(2**62) + 1, 2**62)  # what validation accepts
-    if call.pos_mode == "implied" and call.offsets is None:
-        # Implied positions [0, seqlen * cp_size) + offset must stay inside the
-        # table, or (computed angles) below 2**53 in magnitude.
-        span = call.seqlen * call.cp_size - 1
-        if call.source != "inv_freq":
-            offset_range = (0, call.max_position - span)
-        else:
-            top = validate.MAX_COMPUTED_POSITION
-            offset_range = (-top + 1, top - span)
     if cacheable:
         prepared = _Prepared(plan, _fast_allocs(op, call, arrays, len(allocated)),
                              [_sig_of(o) for o in allocated], disjoint,
-                             offset_range, _RESULTS[op])
+                             _offset_range(call), _RESULTS[op])
         with _plans_lock:
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
             _plans[key] = prepared
-    plan.launch([interop.data_ptr(a) if a is not None else 0 for a in arrays], call.offset)
+    plan.launch(_pointers(call, arrays), call.offset)
     if uploaded:  # keep the uploaded cu_seqlens alive until the kernel has read them
         interop.synchronize_stream(interop.stream_for(call.x), call.device[1])
     return _RESULTS[op](arrays[:n_user], allocated)
 
 
+def _pointers(call, arrays) -> list:
+    """Each array's data pointer (0 where absent), from the call's
+    descriptions where it has one (an array is not described again)."""
+    described = [t for s in call.slabs for t in (s.x, s.out)] + [
+        t for t in call.tables + (call.positions, call.offsets, call.cu_seqlens)]
+    known = {id(t.obj): t.ptr for t in described if t is not None}
+    return [0 if a is None else known[id(a)] if id(a) in known else interop.data_ptr(a)
+            for a in arrays]
+
+
+def _offset_range(call) -> tuple:
+    """The scalar offsets a cached plan may launch with: those validation
+    would accept for this call's signature."""
+    if call.pos_mode != validate.IMPLIED or call.offsets is not None:
+        return (-validate.MAX_INDEX + 1, validate.MAX_INDEX)
+    # Implied positions [0, seqlen * cp_size) + offset must stay inside the
+    # table, or (computed angles) below 2**53 in magnitude.
+    span = call.seqlen * call.cp_size - 1
+    if call.source != "inv_freq":
+        return (0, call.max_position - span)
+    top = validate.MAX_COMPUTED_POSITION
+    return (-top + 1, top - span)
+
+
 # ------------------------------------------------------------- per op --
 # Each op: which outputs the library allocates, how they are made again on
 # later calls of the same signature, and what the call returns.
-def _allocate(op, call):
-    """Outputs to allocate for this call (list) and the kwargs naming them."""
+def _allocate(op, call) -> list:
+    """New outputs for a call that was given none ([] when given)."""
     slabs = call.slabs
     if slabs[0].out is not None:
-        return [], {}
+        return []
     if op in ("rope", "qk"):
-        outs = [interop.empty_like(s.x) for s in slabs]
-        return outs, ({"out": outs[0]} if op == "rope" else {"out": outs[0], "out_k": outs[1]})
+        return [interop.empty_like(s.x) for s in slabs]
     tok = tuple(slabs[0].x.shape[:1 if call.layout == "thd" else 2])
     if op == "qkv":
-        outs = [interop.empty(slabs[0].x, tok + (s.heads, call.head_dim)) for s in slabs]
-        return outs, {"out": tuple(outs)}
+        return [interop.empty(slabs[0].x, tok + (s.heads, call.head_dim)) for s in slabs]
     # qkv_backward: one packed gradient [.., (hq + 2 hk) * d]
-    packed = interop.empty(slabs[0].x, tok + (call.heads * call.head_dim,))
-    return [packed], {"out": packed}
+    return [interop.empty(slabs[0].x, tok + (call.heads * call.head_dim,))]
+
+
+def _attach(op, call, allocated, options):
+    """``call`` writing into the outputs just allocated for it."""
+    names = OUTPUT_NAMES[op]
+    return validate.attach_outputs(
+        call, tuple(interop.describe(o, n) for o, n in zip(allocated, names)), options)
 
 
 def _fast_allocs(op, call, arrays, n_alloc):
@@ -411,8 +509,7 @@ def _fast_allocs(op, call, arrays, n_alloc):
     else:
         shapes = [tok + (call.heads * call.head_dim,)]
     i = index_of(x)
-    return [lambda arrays, shape=shape: interop.empty(interop.describe(arrays[i], "x"), shape)
-            for shape in shapes]
+    return [lambda arrays, shape=shape: interop.fast_empty(arrays[i], shape) for shape in shapes]
 
 
 # Arrays of the caller's that a call wrote (in place, or out=) get their
@@ -442,7 +539,23 @@ def _bumper(cls):
 
 
 def written(arrays: tuple) -> None:
-    """Record that the call wrote ``arrays`` (all of one class) in place."""
+    """Record that the call wrote ``arrays`` (all of one class) in place.
+
+    Parameters
+    ----------
+    arrays : tuple
+        The caller's arrays the call wrote, all of one class.
+
+    Returns
+    -------
+    None
+        torch tensors get their version counter bumped; other arrays keep
+        no record.
+
+    Example
+    -------
+    >>> written((q, k))                                       # doctest: +SKIP
+    """
     f = _VERSION_BUMPS.get(type(arrays[0]))
     if f is None:
         f = _bumper(type(arrays[0]))
@@ -451,7 +564,7 @@ def written(arrays: tuple) -> None:
 
 
 def _result_rope(arrays, outs):
-    x, out = arrays[0], arrays[_OUT_INDEX["rope"]]
+    x, out = arrays[0], arrays[_ROPE_OUT]
     if outs:
         return _wrap(x, outs[0])
     r = out if out is not None else x
@@ -463,9 +576,8 @@ def _result_qk(arrays, outs):
     q, k = arrays[0], arrays[1]
     if outs:
         return _wrap(q, outs[0]), _wrap(q, outs[1])
-    i = _OUT_INDEX["qk"]
-    if arrays[i] is not None:
-        q, k = arrays[i], arrays[i + 1]
+    if arrays[_QK_OUT] is not None:
+        q, k = arrays[_QK_OUT], arrays[_QK_OUT + 1]
     if type(q) is type(k):
         written((q, k))
     else:
@@ -477,16 +589,16 @@ def _result_qk(arrays, outs):
 def _result_qkv(arrays, outs):
     if outs:
         return tuple(_wrap(arrays[0], o) for o in outs)
-    i = _OUT_INDEX["qkv"]
-    for o in arrays[i:i + 3]:
+    outs = arrays[_QKV_OUT:_QKV_OUT + 3]
+    for o in outs:
         written((o,))
-    return tuple(arrays[i:i + 3])
+    return tuple(outs)
 
 
 def _result_qkv_backward(arrays, outs):
     if outs:
         return _wrap(arrays[0], outs[0])
-    out = arrays[_OUT_INDEX["qkv_backward"]]
+    out = arrays[_QKV_BACKWARD_OUT]
     written((out,))
     return out
 
@@ -494,66 +606,12 @@ def _result_qkv_backward(arrays, outs):
 def _wrap(like, arr):
     if type(like) is type(arr):
         return arr
-    return interop.wrap_result(interop.describe(like, "x"), arr)
+    return interop.wrap_result(like, arr)
 
 
-_RESULTS = {"rope": _result_rope, "qk": _result_qk, "qkv": _result_qkv,
-            "qkv_backward": _result_qkv_backward}
-
-
-# The keyword arguments of check_call for each op, rebuilt from _execute's
-# parts (the public functions pass no closure: its cells would cost every
-# call, the cached ones too). ``options`` are ordered as the functions build
-# them; ``tail`` may end with an offsets array (not an argument here).
-def _common_kwargs(tables, tail, layout, interleaved, rotary_dim, cp_size, cp_rank, head_dim,
-                   sections, sections_interleaved) -> dict:
-    return dict(zip(_TABLE_NAMES, tables), positions=tail[0], cu_seqlens=tail[1],
-                layout=layout, interleaved=interleaved, rotary_dim=rotary_dim, cp_size=cp_size,
-                cp_rank=cp_rank, head_dim=head_dim, sections=sections,
-                sections_interleaved=sections_interleaved)
-
-
-def _rope_kwargs(head, tables, tail, options) -> dict:
-    layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim, *sec = options
-    return dict(x=head[0], inplace=inplace, out=tail[2], backward=backward,
-                **_common_kwargs(tables, tail, layout, interleaved, rotary_dim, cp_size, cp_rank,
-                                 head_dim, *sec))
-
-
-def _qk_kwargs(head, tables, tail, options) -> dict:
-    layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim, *sec = options
-    return dict(x=head[0], k=head[1], inplace=inplace, out=tail[2], out_k=tail[3],
-                backward=backward,
-                **_common_kwargs(tables, tail, layout, interleaved, rotary_dim, cp_size, cp_rank,
-                                 head_dim, *sec))
-
-
-def _qkv_kwargs(head, tables, tail, options) -> dict:
-    (layout, interleaved, rotary_dim, backward, cp_size, cp_rank, head_dim, num_q_heads,
-     num_kv_heads, packing, *sec) = options
-    outs = tail[2:5]
-    return dict(qkv=head[0], backward=backward, out=outs if outs[0] is not None else None,
-                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, packing=packing,
-                **_common_kwargs(tables, tail, layout, interleaved, rotary_dim, cp_size, cp_rank,
-                                 head_dim, *sec))
-
-
-def _qkv_backward_kwargs(head, tables, tail, options) -> dict:
-    layout, interleaved, rotary_dim, cp_size, cp_rank, head_dim, packing, *sec = options
-    dq, dk, _ = head
-    return dict(qkv_grads=tuple(head), backward=True, out=tail[2],
-                num_q_heads=_heads(dq, layout, head_dim), num_kv_heads=_heads(dk, layout, head_dim),
-                packing=packing,
-                **_common_kwargs(tables, tail, layout, interleaved, rotary_dim, cp_size, cp_rank,
-                                 head_dim, *sec))
-
-
-_KWARGS = {"rope": _rope_kwargs, "qk": _qk_kwargs, "qkv": _qkv_kwargs,
-           "qkv_backward": _qkv_backward_kwargs}
-# Where the outputs sit in each op's array tuple: inputs, the seven angle and
-# position arrays (cos, sin, inv_freq, freqs, cos_sin_cache, positions,
-# cu_seqlens), the outputs, then the offsets array.
-_OUT_INDEX = {"rope": 8, "qk": 9, "qkv": 8, "qkv_backward": 10}
+#: What each op's call returns, from its arrays and the outputs it allocated.
+_RESULTS: dict = {"rope": _result_rope, "qk": _result_qk, "qkv": _result_qkv,
+                  "qkv_backward": _result_qkv_backward}
 
 
 def _numpy_into(call):
@@ -570,6 +628,11 @@ def _numpy_into(call):
             dst[...] = y.astype(dst.dtype)
 
 
+def _key_sections(sections):
+    """sections as a hashable key part (a list becomes a tuple)."""
+    return tuple(sections) if isinstance(sections, list) else sections
+
+
 # ------------------------------------------------------------- public --
 def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cache=None,
                positions=None, offsets=None, layout="bshd", interleaved=False, rotary_dim=None,
@@ -577,74 +640,130 @@ def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cach
                head_dim=None, sections=None, sections_interleaved=False):
     """Apply rotary position embedding to ``x``.
 
-    Shapes (b = batch, s = sequence, t = packed tokens, h = heads,
-    d = head_dim, r = rotary_dim):
+    Each argument is described in full in ``docs/api.md`` (the section
+    named after it in brackets below).
 
-    - ``x``: [b, s, h, d] (``layout="bshd"``), [s, b, h, d] (``"sbhd"``) or
-      [t, h, d] (``"thd"``), any strides (e.g. ``q.transpose(1, 2)`` of a
-      [b, h, s, d] tensor) with no copy; or with heads flattened
-      ([.., h * d]) when ``head_dim`` is given. float32, float16 or bfloat16.
-    - Angle source: ``cos`` and ``sin`` [max_position, r/2], or
-      ``cos_sin_cache`` [max_position, r], or ``inv_freq`` [r/2] (angles
-      computed in the kernel: fp32 product reduced exactly, accurate sincos),
-      or ``freqs`` [max_position, r/2] angles.
-    - Positions: the sequence index by default; ``positions`` ([s] or [b, s];
-      thd: [t]) replaces it; ``offsets`` (int, or [b]; thd with ``cu_seqlens``:
-      [n_seqs]) is added.
-    - ``cu_seqlens`` (thd): int32 [n_seqs + 1] cumulative lengths; positions
-      restart at 0 in every sequence; empty sequences are fine.
-    - ``sections`` (M-RoPE, axial RoPE): frequencies per position axis
-      (1 to 3 axes, summing to r/2), with ``positions`` [axes, s], [axes, b, s]
-      or (thd) [axes, t]: frequency f rotates by the position of its axis.
-      Contiguous sections: the first sections[0] frequencies use axis 0, and
-      so on (Qwen2-VL's ``mrope_section``; Flux's ``axes_dim`` / 2 with
-      ``inv_freq`` the concatenation of each axis's frequencies).
-      ``sections_interleaved=True``: Qwen3-VL's assignment (f % 3 == 1 and
-      f < 3 * sections[1] use axis 1, f % 3 == 2 and f < 3 * sections[2]
-      axis 2, every other f axis 0).
-    - Context parallelism (``cp_size`` > 1, rank ``cp_rank``), for implied
-      positions: every full sequence of length L is cut into 2 * cp_size
-      chunks of c = L / (2 * cp_size) tokens and this rank holds chunks
-      ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` back to back, so local
-      index i < c has position cp_rank * c + i and i >= c has position
-      (2 * cp_size - 1 - cp_rank) * c + (i - c). bshd/sbhd: x holds the
-      rank's 2c tokens of every sequence. thd: ``cu_seqlens`` describe the
-      full sequences (each length divisible by 2 * cp_size) and x holds
-      cu_seqlens[-1] / cp_size tokens; sequence s starts at local token
-      cu_seqlens[s] / cp_size (as in Megatron / TransformerEngine).
-    - ``rotary_dim``: set by the angle source (r/2 frequencies); passing it
-      checks that (partial rotary: give a source of r/2 frequencies, e.g.
-      ``cos[:, :r // 2]``). Channels [r, d) are copied bit-exact when
-      writing a new array and not touched at all in place.
-    - ``interleaved=False``: NeoX / rotate-half pairs (f, f + r/2);
-      ``interleaved=True``: GPT-J pairs (2f, 2f + 1). Each pair (a, b)
-      becomes (a cos - b sin, b cos + a sin); ``backward=True`` applies the
-      transpose (rotation by -theta), the gradient with respect to x.
+    Parameters
+    ----------
+    x : array
+        [b, s, h, d] (``layout="bshd"``), [s, b, h, d] (``"sbhd"``) or
+        [t, h, d] (``"thd"``), any strides; float32, float16 or bfloat16
+        (float64 for NumPy). Heads may be flattened ([.., h * d]) with
+        ``head_dim`` [Layouts].
+    cos, sin : array, optional
+        [max_position, r/2] tables, float32 or x's dtype [Angle sources].
+    inv_freq : array, optional
+        [r/2] float32: angles computed in the kernel [Angle sources].
+    freqs : array, optional
+        [max_position, r/2] float32 angles [Angle sources].
+    cos_sin_cache : array, optional
+        [max_position, r]: cos in the first half, sin in the second
+        (vLLM / FlashInfer) [Angle sources]. Give exactly one angle source.
+    positions : array, optional
+        int32/int64 [s] or [b, s] (thd: [t]); default: the sequence index
+        [Positions].
+    offsets : int or array, optional
+        Added to every position: an int, or [b] (thd with ``cu_seqlens``:
+        [n_seqs]) [Positions].
+    layout : {"bshd", "sbhd", "thd"}
+        [Layouts].
+    interleaved : bool
+        False: NeoX pairs (f, f + r/2); True: GPT-J pairs (2f, 2f + 1)
+        [Styles].
+    rotary_dim : int, optional
+        Checks the angle source's r/2 frequencies; channels past it are
+        copied [Partial rotary].
+    inplace : bool
+        Rotate ``x`` itself [Outputs and in-place].
+    out : array, optional
+        Where to write the result, shaped like ``x`` [Outputs and in-place].
+    backward : bool
+        Rotate by -theta: the gradient with respect to x [Backward].
+    cu_seqlens : array, optional
+        thd: int32 [n_seqs + 1] cumulative lengths; positions restart in
+        every sequence [Positions].
+    cp_size, cp_rank : int
+        Context parallelism for implied positions [Context parallel].
+    head_dim : int, optional
+        Splits a flattened [.., h * d] last axis [Layouts].
+    sections : sequence of int, optional
+        M-RoPE: frequencies per position axis, with ``positions``
+        [axes, ...] [M-RoPE].
+    sections_interleaved : bool
+        Qwen3-VL's interleaved assignment of frequencies to axes [M-RoPE].
 
-    Returns a new array of x's framework, or ``out`` when given, or ``x``
-    itself with ``inplace=True``. A position outside a table that the host
-    cannot see (device positions, offsets or cu_seqlens), a token that device
-    cu_seqlens leave out, or (cp_size > 1) a device cu_seqlens sequence
-    whose length is not a multiple of 2 * cp_size (and every later one,
-    whose start is then misaligned) yields NaN in the rotated channels, never
-    an out-of-bounds read; host-visible positions and cu_seqlens are checked
-    up front.
+    Returns
+    -------
+    array
+        A new array of x's framework, or ``out`` when given, or ``x`` with
+        ``inplace=True``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For bad input, naming the argument; nothing is written then.
+        Positions the host cannot see are not checked: outside the table
+        they give NaN, never an out-of-bounds read [Errors].
+
+    Example
+    -------
+    >>> import numpy as np, cupy_rope
+    >>> x = np.zeros((2, 16, 8, 64), np.float32)            # [b, s, h, d]
+    >>> inv_freq = 1.0 / 10000 ** (np.arange(0, 64, 2) / 64)
+    >>> cupy_rope.apply_rope(x, inv_freq=inv_freq.astype(np.float32)).shape
+    (2, 16, 8, 64)
     """
     return _execute(
         "rope", (x,), (cos, sin, inv_freq, freqs, cos_sin_cache), (positions, cu_seqlens, out),
-        (layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim,
-         _key_sections(sections), sections_interleaved),
+        (layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank, _key_sections(sections),
+         sections_interleaved, inplace, backward),
         offsets)
 
 
-def apply_rope_backward(grad, cos=None, sin=None, **kwargs):
+def apply_rope_backward(grad, cos=None, sin=None, *, inv_freq=None, freqs=None,
+                        cos_sin_cache=None, positions=None, offsets=None, layout="bshd",
+                        interleaved=False, rotary_dim=None, inplace=False, out=None,
+                        cu_seqlens=None, cp_size=1, cp_rank=0, head_dim=None, sections=None,
+                        sections_interleaved=False):
     """Gradient of :func:`apply_rope` with respect to x: rotation by -theta.
 
-    Takes the output gradient ``grad`` (shaped like x) and the same angle,
-    position and layout arguments as the forward call.
+    The same as ``apply_rope(grad, ..., backward=True)`` [Backward in
+    ``docs/api.md``].
+
+    Parameters
+    ----------
+    grad : array
+        The output gradient, shaped like the forward's ``x`` (error
+        messages call it ``x``).
+    cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, layout, \
+interleaved, rotary_dim, inplace, out, cu_seqlens, cp_size, cp_rank, \
+head_dim, sections, sections_interleaved
+        As for :func:`apply_rope`; pass the forward call's values.
+
+    Returns
+    -------
+    array
+        The gradient with respect to x: a new array, or ``out``, or
+        ``grad`` itself with ``inplace=True``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For bad input, naming the argument.
+
+    Example
+    -------
+    >>> import numpy as np, cupy_rope
+    >>> inv_freq = np.linspace(0.01, 1, 32).astype(np.float32)
+    >>> dy = np.ones((2, 16, 8, 64), np.float32)             # [b, s, h, d]
+    >>> cupy_rope.apply_rope_backward(dy, inv_freq=inv_freq).shape
+    (2, 16, 8, 64)
     """
-    kwargs["backward"] = True
-    return apply_rope(grad, cos, sin, **kwargs)
+    return _execute(
+        "rope", (grad,), (cos, sin, inv_freq, freqs, cos_sin_cache), (positions, cu_seqlens, out),
+        (layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank, _key_sections(sections),
+         sections_interleaved, inplace, True),
+        offsets)
 
 
 def apply_rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cache=None,
@@ -652,33 +771,53 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_si
                   rotary_dim=None, inplace=False, out_q=None, out_k=None, backward=False,
                   cu_seqlens=None, cp_size=1, cp_rank=0, head_dim=None, sections=None,
                   sections_interleaved=False):
-    """Rotate q [.., hq, d] and k [.., hk, d] in one launch.
+    """Rotate q and k in one launch.
 
     q and k share the layout, token axes, head_dim, dtype and the angle and
-    position arguments of :func:`apply_rope`; their head counts are free
-    (GQA, MQA: hq % hk need not be 0). Token-major [t, h, d] arrays and
-    flattened [t, h * d] views (``layout="thd"``, ``head_dim=d``) with
-    ``positions`` [t] into a cos/sin cache are the vLLM / FlashInfer form.
-    cos/sin are computed once per token for all heads of both.
+    position arguments; their head counts are free (GQA, MQA). cos/sin are
+    computed once per token for the heads of both.
 
-    Returns (q_rot, k_rot): new arrays, or (out_q, out_k), or (q, k) with
-    ``inplace=True``.
+    Parameters
+    ----------
+    q : array
+        [.., hq, d] in ``layout``, as ``x`` of :func:`apply_rope`.
+    k : array
+        [.., hk, d] on q's token axes.
+    out_q, out_k : array, optional
+        Where to write the results (both or neither) [Outputs and in-place].
+    cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, layout, \
+interleaved, rotary_dim, inplace, backward, cu_seqlens, cp_size, cp_rank, \
+head_dim, sections, sections_interleaved
+        As for :func:`apply_rope`.
+
+    Returns
+    -------
+    tuple of array
+        (q_rot, k_rot): new arrays, or (out_q, out_k), or (q, k) with
+        ``inplace=True``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For bad input, naming the argument (``k`` overlapping ``q`` in
+        place, among others).
+
+    Example
+    -------
+    >>> import numpy as np, cupy_rope
+    >>> q = np.zeros((64, 32, 128), np.float32)              # [t, hq, d]
+    >>> k = np.zeros((64, 8, 128), np.float32)               # [t, hk, d]
+    >>> cache = np.zeros((4096, 128), np.float32)            # [max_position, r]
+    >>> pos = np.arange(64)
+    >>> q, k = cupy_rope.apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos,
+    ...                                layout="thd", inplace=True)
     """
     return _execute(
         "qk", (q, k), (cos, sin, inv_freq, freqs, cos_sin_cache),
         (positions, cu_seqlens, out_q, out_k),
-        (layout, interleaved, rotary_dim, inplace, backward, cp_size, cp_rank, head_dim,
-         _key_sections(sections), sections_interleaved),
+        (layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank, _key_sections(sections),
+         sections_interleaved, inplace, backward),
         offsets)
-
-
-def _qkv_outputs(out_q, out_k, out_v):
-    """The three outputs, checked to be all given or all None."""
-    outs = (out_q, out_k, out_v)
-    given = [o is not None for o in outs]
-    if any(given) and not all(given):
-        raise ValueError("out_q, out_k, out_v: pass all three outputs, or none")
-    return outs
 
 
 def apply_rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=None,
@@ -689,28 +828,51 @@ def apply_rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_d
                    sections_interleaved=False):
     """Split a packed QKV projection into rotated q, rotated k and v, in one launch.
 
-    ``qkv``: the token axes of ``layout`` ([b, s], [s, b] or [t]) followed by
-    [(hq + 2 hk) * d] or [hq + 2 hk, d] (hq = ``num_q_heads``, hk =
-    ``num_kv_heads``; d = ``head_dim``, which the flat form can infer).
-    Supported packings of the head axis:
+    Parameters
+    ----------
+    qkv : array
+        The token axes of ``layout`` then [(hq + 2 hk) * d] or
+        [hq + 2 hk, d] [Packed QKV].
+    num_q_heads, num_kv_heads : int
+        hq and hk.
+    head_dim : int, optional
+        d; the flat form can infer it.
+    packing : {"concat", "grouped"}
+        q heads, then k, then v (vLLM, Hugging Face); or hk groups of
+        (hq/hk q, 1 k, 1 v) (Megatron-LM, TransformerEngine) [Packed QKV].
+    out_q, out_k, out_v : array, optional
+        Where to write q, k and v (all three or none).
+    cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, layout, \
+interleaved, rotary_dim, backward, cu_seqlens, cp_size, cp_rank, sections, \
+sections_interleaved
+        As for :func:`apply_rope`.
 
-    - ``"concat"``: all q heads, then all k heads, then all v heads (vLLM,
-      Hugging Face fused qkv_proj).
-    - ``"grouped"``: hk groups, each (hq/hk q heads, 1 k head, 1 v head)
-      (Megatron-LM / TransformerEngine); for hq == hk, q, k and v side by
-      side per head. A [.., groups, (hq/hk + 2) * d] array (TE's shape)
-      goes in flattened ([.., hk * (hq/hk + 2) * d]) or as
-      [.., hq + 2 hk, d].
+    Returns
+    -------
+    tuple of array
+        (q [.., hq, d], k [.., hk, d], v [.., hk, d]): new contiguous
+        arrays, or (out_q, out_k, out_v). q and k are rotated, v copied.
 
-    Returns new q [.., hq, d], k [.., hk, d] and v [.., hk, d] (or out_q,
-    out_k, out_v), each contiguous. q and k are rotated as by
-    :func:`apply_rope` (same angle and position arguments); v is copied.
+    Raises
+    ------
+    ValueError, TypeError
+        For bad input, naming the argument.
+
+    Example
+    -------
+    >>> import numpy as np, cupy_rope
+    >>> qkv = np.zeros((2, 16, (32 + 2 * 8) * 128), np.float32)  # [b, s, (hq + 2 hk) * d]
+    >>> inv_freq = np.linspace(0.01, 1, 64).astype(np.float32)
+    >>> q, k, v = cupy_rope.apply_rope_qkv(qkv, inv_freq=inv_freq, num_q_heads=32,
+    ...                                    num_kv_heads=8)
+    >>> q.shape, k.shape
+    ((2, 16, 32, 128), (2, 16, 8, 128))
     """
-    outs = _qkv_outputs(out_q, out_k, out_v)
     return _execute(
-        "qkv", (qkv,), (cos, sin, inv_freq, freqs, cos_sin_cache), (positions, cu_seqlens) + outs,
-        (layout, interleaved, rotary_dim, backward, cp_size, cp_rank, head_dim, num_q_heads,
-         num_kv_heads, packing, _key_sections(sections), sections_interleaved),
+        "qkv", (qkv,), (cos, sin, inv_freq, freqs, cos_sin_cache),
+        (positions, cu_seqlens, out_q, out_k, out_v),
+        (layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank, _key_sections(sections),
+         sections_interleaved, backward, num_q_heads, num_kv_heads, packing),
         offsets)
 
 
@@ -721,70 +883,101 @@ def apply_rope_qkv_backward(dq, dk, dv, cos=None, sin=None, *, packing="concat",
                             sections=None, sections_interleaved=False):
     """Gradient of :func:`apply_rope_qkv` with respect to ``qkv``, in one launch.
 
-    Takes dq [.., hq, d], dk and dv [.., hk, d] (the gradients of its three
-    outputs) and the forward's angle, position, layout and ``packing``
-    arguments; rotates dq and dk by -theta and packs them with dv. Returns
-    ``out`` when given (shaped like the forward's ``qkv``), else a new
-    array [.., (hq + 2 hk) * d].
+    Rotates dq and dk by -theta and packs them with dv [Backward, Packed
+    QKV in ``docs/api.md``].
+
+    Parameters
+    ----------
+    dq : array
+        [.., hq, d], the gradient of the forward's q.
+    dk, dv : array
+        [.., hk, d], the gradients of its k and v.
+    packing : {"concat", "grouped"}
+        The forward's packing.
+    out : array, optional
+        Where to write the packed gradient, shaped like the forward's ``qkv``.
+    cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, layout, \
+interleaved, rotary_dim, cu_seqlens, cp_size, cp_rank, head_dim, sections, \
+sections_interleaved
+        As for :func:`apply_rope`; pass the forward call's values.
+
+    Returns
+    -------
+    array
+        ``out`` when given, else a new [.., (hq + 2 hk) * d].
+
+    Raises
+    ------
+    ValueError, TypeError
+        For bad input, naming the argument.
+
+    Example
+    -------
+    >>> import numpy as np, cupy_rope
+    >>> dq = np.zeros((2, 16, 32, 128), np.float32)
+    >>> dk = dv = np.zeros((2, 16, 8, 128), np.float32)
+    >>> inv_freq = np.linspace(0.01, 1, 64).astype(np.float32)
+    >>> cupy_rope.apply_rope_qkv_backward(dq, dk, dv, inv_freq=inv_freq).shape
+    (2, 16, 6144)
     """
     return _execute(
         "qkv_backward", (dq, dk, dv), (cos, sin, inv_freq, freqs, cos_sin_cache),
         (positions, cu_seqlens, out),
-        (layout, interleaved, rotary_dim, cp_size, cp_rank, head_dim, packing,
-         _key_sections(sections), sections_interleaved),
+        (layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank, _key_sections(sections),
+         sections_interleaved, packing),
         offsets)
 
 
-def _key_sections(sections):
-    """sections as a hashable key part (a list becomes a tuple)."""
-    return tuple(sections) if isinstance(sections, list) else sections
-
-
-def _heads(a, layout, head_dim):
-    """Head count of a gradient array (for the packed geometry)."""
-    shape = getattr(a, "shape", None)
-    if shape is None:
-        return None
-    n_tok = 1 if layout == "thd" else 2
-    if len(shape) == n_tok + 2:
-        return shape[-2]
-    if len(shape) == n_tok + 1 and head_dim:
-        return shape[-1] // head_dim
-    return None
-
-
 # ------------------------------------------------------------ bound form --
+# The decode step's pointers as RotaryEmbedding.qk_ passes them to its
+# launchers, by index in apply_rope_qk's arrays; the tables' indices follow.
+_QK_ROLES = _OPS["qk"].roles
+_QK_ARGS = {i: name for i, name in enumerate(_QK_ROLES) if name in ("q", "k", "positions")}
+_QK_FIRST_TABLE = _QK_ROLES.index(TABLE_NAMES[0])
+
+
 class RotaryEmbedding:
     """The angle source and options bound once; calls pass only what changes.
 
-    ``RotaryEmbedding(cos, sin, *, inv_freq, freqs, cos_sin_cache, layout,
-    interleaved, rotary_dim, head_dim, cp_size, cp_rank, sections,
-    sections_interleaved)`` takes the angle and layout arguments of
-    :func:`apply_rope`; its methods take the arrays of one call:
+    The tables are signed once here (pointer, shape, strides, dtype), so a
+    cached call reads only the per-call arrays: the cheapest way to launch a
+    decode step from Python (:meth:`qk_`). Each method returns exactly what
+    the matching ``apply_rope*`` function returns and is validated the same
+    way the first time a signature is seen.
 
-    - ``rope(x, positions=None, offsets=None, *, inplace, out, backward,
-      cu_seqlens)`` (also ``rope(...)`` via calling the object),
-    - ``qk(q, k, positions=None, offsets=None, *, inplace, out_q, out_k,
-      backward, cu_seqlens)``, and ``qk_(q, k, positions)`` for the in-place
-      serving step (vLLM's ``rotary_emb(positions, q, k)`` order differs:
-      positions come last here),
-    - ``qkv(qkv, positions=None, offsets=None, *, num_q_heads, num_kv_heads,
-      packing, out_q, out_k, out_v, backward, cu_seqlens)`` and
-      ``qkv_backward(dq, dk, dv, positions=None, offsets=None, *, packing,
-      out, cu_seqlens)``.
+    Parameters
+    ----------
+    cos, sin, inv_freq, freqs, cos_sin_cache : array, optional
+        The one angle source, as for :func:`apply_rope` [Angle sources in
+        ``docs/api.md``]. Held, not copied: their contents may change
+        between calls, but they must not be resized or re-pointed in place
+        (``resize_``, ``set_``); make a new object instead.
+    layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank, sections, \
+sections_interleaved
+        As for :func:`apply_rope`.
 
-    Each returns exactly what the matching ``apply_rope*`` call returns, and
-    is validated the same way the first time a signature is seen. The tables
-    are signed once here (pointer, shape, strides, dtype), so a cached call
-    reads only the per-call arrays: this is the cheapest way to launch a
-    decode step from Python. The tables are held (not copied); their
-    contents may change between calls, but they must not be resized or
-    re-pointed in place (``resize_``, ``set_``): make a new object instead.
+    Raises
+    ------
+    ValueError
+        Without an angle source. The other arguments are checked on the
+        first call, as the functions check them.
+
+    Notes
+    -----
     Copies (``copy.copy``, ``copy.deepcopy``, pickling) are made again
     through the constructor, with their own tables' pointers.
+
+    Example
+    -------
+    >>> import numpy as np, cupy_rope
+    >>> cache = np.zeros((4096, 128), np.float32)            # [max_position, r]
+    >>> rope = cupy_rope.RotaryEmbedding(cos_sin_cache=cache, layout="thd")
+    >>> q = np.zeros((64, 32, 128), np.float32)              # [t, hq, d]
+    >>> k = np.zeros((64, 8, 128), np.float32)               # [t, hk, d]
+    >>> q, k = rope.qk_(q, k, np.arange(64))
     """
 
-    __slots__ = ("_tables", "_bound", "_fixed", "_fast", "_qk_options")
+    __slots__ = ("_tables", "_bound", "_fixed", "_common", "_fast", "_qk_options")
 
     def __init__(self, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cache=None,
                  layout="bshd", interleaved=False, rotary_dim=None, head_dim=None, cp_size=1,
@@ -804,41 +997,102 @@ class RotaryEmbedding:
         self._fixed = dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
                            head_dim=head_dim, cp_size=cp_size, cp_rank=cp_rank,
                            sections=sections, sections_interleaved=sections_interleaved)
+        # The options every op's tuple starts with (_COMMON_OPTIONS).
+        self._common = (layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank,
+                        _key_sections(sections), sections_interleaved)
         # qk_'s own plans, keyed by the q, k, positions signatures alone.
         self._fast = {} if signed else None
-        self._qk_options = self._options(True, False)
+        self._qk_options = self._common + (True, False)  # inplace, not backward
 
     def __reduce__(self):
         """Copies and pickles are made again through ``__init__``, which signs
         their own tables (a deep copy's tables have new pointers)."""
         return (_rotary_embedding, (self._tables, self._fixed))
 
-    def _options(self, *front, tail=()):
-        f = self._fixed
-        return (f["layout"], f["interleaved"], f["rotary_dim"], *front, f["cp_size"],
-                f["cp_rank"], f["head_dim"], *tail, _key_sections(f["sections"]),
-                f["sections_interleaved"])
-
     def rope(self, x, positions=None, offsets=None, *, inplace=False, out=None, backward=False,
              cu_seqlens=None):
-        """:func:`apply_rope` with the bound angles and options."""
+        """:func:`apply_rope` with the bound angles and options (also ``rope(...)``
+        as ``self(...)``).
+
+        Parameters
+        ----------
+        x, positions, offsets, inplace, out, backward, cu_seqlens
+            As for :func:`apply_rope`.
+
+        Returns
+        -------
+        array
+            What :func:`apply_rope` returns.
+
+        Raises
+        ------
+        ValueError, TypeError
+            As :func:`apply_rope`; also when a bound table changed its shape,
+            strides, dtype or memory since it was bound.
+
+        Example
+        -------
+        >>> y = rope(x, positions)                                # doctest: +SKIP
+        """
         return _execute("rope", (x,), self._tables, (positions, cu_seqlens, out),
-                        self._options(inplace, backward), offsets, self._bound)
+                        self._common + (inplace, backward), offsets, self._bound)
 
     __call__ = rope
 
     def qk(self, q, k, positions=None, offsets=None, *, inplace=False, out_q=None, out_k=None,
            backward=False, cu_seqlens=None):
-        """:func:`apply_rope_qk` with the bound angles and options."""
+        """:func:`apply_rope_qk` with the bound angles and options.
+
+        Parameters
+        ----------
+        q, k, positions, offsets, inplace, out_q, out_k, backward, cu_seqlens
+            As for :func:`apply_rope_qk`.
+
+        Returns
+        -------
+        tuple of array
+            What :func:`apply_rope_qk` returns.
+
+        Raises
+        ------
+        ValueError, TypeError
+            As :meth:`rope`.
+
+        Example
+        -------
+        >>> q_rot, k_rot = rope.qk(q, k, positions)               # doctest: +SKIP
+        """
         return _execute("qk", (q, k), self._tables, (positions, cu_seqlens, out_q, out_k),
-                        self._options(inplace, backward), offsets, self._bound)
+                        self._common + (inplace, backward), offsets, self._bound)
 
     def qk_(self, q, k, positions=None):
-        """Rotate q and k in place at ``positions``; returns (q, k).
+        """Rotate q and k in place at ``positions``: the decode step.
 
-        The decode step: once a (q, k, positions) signature has been
-        validated, a call reads the three arrays' signatures and pointers,
-        checks that the written arrays overlap nothing, and launches.
+        Once a (q, k, positions) signature has been validated, a call reads
+        the three arrays' signatures and pointers, checks that the written
+        arrays overlap nothing, and launches. (vLLM's
+        ``rotary_emb(positions, q, k)`` puts positions first.)
+
+        Parameters
+        ----------
+        q, k : array
+            As for :func:`apply_rope_qk`; rotated in place.
+        positions : array, optional
+            As for :func:`apply_rope`.
+
+        Returns
+        -------
+        tuple of array
+            (q, k).
+
+        Raises
+        ------
+        ValueError, TypeError
+            As :meth:`rope` (k overlapping q among others).
+
+        Example
+        -------
+        >>> q, k = rope.qk_(q, k, positions)                      # doctest: +SKIP
         """
         fast = self._fast
         remember = None
@@ -865,27 +1119,64 @@ class RotaryEmbedding:
         with nothing to allocate and any offset allowed (offset 0 is used)."""
         r = prepared.offset_range
         if not prepared.allocs and r[0] <= 0 < r[1]:
-            # Array indices as _execute lists them: q, k, the five tables,
-            # positions, cu_seqlens, out_q, out_k.
-            consts = {2 + i: p for i, p in enumerate(table_ptrs)}
-            fast[key] = launch.bound_launcher(prepared.plan, prepared.disjoint,
-                                              {0: "q", 1: "k", 7: "positions"}, consts)
+            consts = {_QK_FIRST_TABLE + i: p for i, p in enumerate(table_ptrs)}
+            fast[key] = launch.bound_launcher(prepared.plan, prepared.disjoint, _QK_ARGS, consts)
 
     def qkv(self, qkv, positions=None, offsets=None, *, num_q_heads, num_kv_heads,
             packing="concat", out_q=None, out_k=None, out_v=None, backward=False,
             cu_seqlens=None):
-        """:func:`apply_rope_qkv` with the bound angles and options."""
-        outs = _qkv_outputs(out_q, out_k, out_v)
+        """:func:`apply_rope_qkv` with the bound angles and options.
+
+        Parameters
+        ----------
+        qkv, positions, offsets, num_q_heads, num_kv_heads, packing, out_q, \
+out_k, out_v, backward, cu_seqlens
+            As for :func:`apply_rope_qkv`.
+
+        Returns
+        -------
+        tuple of array
+            What :func:`apply_rope_qkv` returns.
+
+        Raises
+        ------
+        ValueError, TypeError
+            As :meth:`rope`.
+
+        Example
+        -------
+        >>> q, k, v = rope.qkv(qkv, num_q_heads=32, num_kv_heads=8)  # doctest: +SKIP
+        """
         return _execute(
-            "qkv", (qkv,), self._tables, (positions, cu_seqlens) + outs,
-            self._options(backward, tail=(num_q_heads, num_kv_heads, packing)), offsets, self._bound)
+            "qkv", (qkv,), self._tables, (positions, cu_seqlens, out_q, out_k, out_v),
+            self._common + (backward, num_q_heads, num_kv_heads, packing), offsets, self._bound)
 
     def qkv_backward(self, dq, dk, dv, positions=None, offsets=None, *, packing="concat",
                      out=None, cu_seqlens=None):
-        """:func:`apply_rope_qkv_backward` with the bound angles and options."""
+        """:func:`apply_rope_qkv_backward` with the bound angles and options.
+
+        Parameters
+        ----------
+        dq, dk, dv, positions, offsets, packing, out, cu_seqlens
+            As for :func:`apply_rope_qkv_backward`.
+
+        Returns
+        -------
+        array
+            What :func:`apply_rope_qkv_backward` returns.
+
+        Raises
+        ------
+        ValueError, TypeError
+            As :meth:`rope`.
+
+        Example
+        -------
+        >>> dqkv = rope.qkv_backward(dq, dk, dv)                  # doctest: +SKIP
+        """
         return _execute(
             "qkv_backward", (dq, dk, dv), self._tables, (positions, cu_seqlens, out),
-            self._options(tail=(packing,)), offsets, self._bound)
+            self._common + (packing,), offsets, self._bound)
 
 
 def _rotary_embedding(tables, fixed):

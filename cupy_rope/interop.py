@@ -287,9 +287,9 @@ def _cupy_sign(a, key, ptrs) -> bool:
 
 def torch_readers() -> dict:
     """torch tensor metadata readers through TensorBase's unbound methods and
-    descriptors (about 0.3 us less per call than attribute lookups on three
-    tensors; scripts/launch_cost.py): get_device, data_ptr, dtype, shape,
-    stride. Empty when torch is not imported."""
+    descriptors, cheaper than attribute lookups (benchmarks/launch_cost.py
+    times both): get_device, data_ptr, dtype, shape, stride. Empty when
+    torch is not imported."""
     torch = sys.modules.get("torch")
     if torch is None:
         return {}
@@ -467,6 +467,17 @@ def fast_empty_like(a):
         return cupy.empty_like(a)
 
 
+def fast_empty(a, shape):
+    """empty for a torch tensor or CuPy array: a new contiguous array of
+    ``shape`` with ``a``'s dtype, on its device."""
+    if type(a).__module__.startswith("torch"):
+        return sys.modules["torch"].empty(shape, dtype=a.dtype, device=a.device)
+    import cupy
+
+    with cupy.cuda.Device(a.data.device_id):
+        return cupy.empty(shape, dtype=a.dtype)
+
+
 def to_host(a) -> np.ndarray:
     """A NumPy copy of a device array (syncs; debugging checks only)."""
     import cupy
@@ -513,9 +524,10 @@ def synchronize_stream(stream: int, device_id: int) -> None:
         external_stream(stream, device_id).synchronize()
 
 
-def wrap_result(t: Tensor, arr):
-    """Return ``arr`` (allocated by :func:`empty_like`) as ``t``'s framework type."""
-    if t.kind == "jax":
+def wrap_result(like, arr):
+    """Return ``arr`` (allocated by :func:`empty_like` or :func:`empty` for
+    ``like``) in ``like``'s framework: a JAX array for JAX, else as it is."""
+    if _module_of(like) in ("jax", "jaxlib"):
         import jax.dlpack
 
         return jax.dlpack.from_dlpack(arr)

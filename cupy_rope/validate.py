@@ -1,10 +1,13 @@
 """Argument checking, shared by the GPU path and the NumPy reference path.
 
-:func:`check_call` turns the public arguments of every operation into a
-:class:`Call`, or raises ``ValueError`` / ``TypeError`` naming the offending
-argument and what was expected. It looks only at shapes, strides, dtypes and
-devices, and at the values of host arrays (NumPy positions, cu_seqlens);
-never at device memory, so it costs no sync.
+A call's array arguments are described once (:func:`describe_arrays`, an
+:class:`Arrays` of :class:`~cupy_rope.interop.Tensor` records by role) and
+its other arguments gathered in :class:`Options`; :func:`check` turns the
+two into a :class:`Call`, or raises ``ValueError`` / ``TypeError`` naming
+the offending argument and what was expected. :func:`check_call` does all
+of that from the public keyword arguments. Checks look only at shapes,
+strides, dtypes and devices, and at the values of host arrays (NumPy
+positions, cu_seqlens); never at device memory, so they cost no sync.
 
 Every operation is described the same way: up to three *slabs* (q, k, v), each
 a strided [batch, seq, heads, head_dim] view of an input array and of an
@@ -15,7 +18,7 @@ rule. ``thd`` inputs have batch 1 and seq = tokens.
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -30,6 +33,50 @@ PACKINGS = ("concat", "grouped")
 
 #: Position rules (kernels/positions.cuh).
 IMPLIED, EXPLICIT, VARLEN, AXES = "implied", "explicit", "varlen", "axes"
+
+#: The operations, and the names of their input and output arrays (as the
+#: public functions call them, and as error messages name them).
+INPUT_NAMES = {"rope": ("x",), "qk": ("q", "k"), "qkv": ("qkv",),
+               "qkv_backward": ("dq", "dk", "dv")}
+OUTPUT_NAMES = {"rope": ("out",), "qk": ("out_q", "out_k"), "qkv": ("out_q", "out_k", "out_v"),
+                "qkv_backward": ("out",)}
+#: The angle source arrays, in the order every operation passes them.
+TABLE_NAMES = ("cos", "sin", "inv_freq", "freqs", "cos_sin_cache")
+
+
+class Options(NamedTuple):
+    """A call's arguments other than arrays (docs/api.md), defaults as the
+    public functions have them. ``offsets`` travels with the arrays."""
+
+    layout: str = "bshd"
+    interleaved: bool = False
+    rotary_dim: Optional[int] = None
+    head_dim: Optional[int] = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    sections: Any = None
+    sections_interleaved: bool = False
+    backward: bool = False
+    inplace: bool = False
+    num_q_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    packing: str = "concat"
+
+
+class Arrays(NamedTuple):
+    """A call's array arguments, each described once; None where absent.
+
+    ``inputs`` and ``outputs`` follow :data:`INPUT_NAMES` and
+    :data:`OUTPUT_NAMES` of ``op``; ``tables`` follow :data:`TABLE_NAMES`.
+    """
+
+    op: str  # "rope" | "qk" | "qkv" | "qkv_backward"
+    inputs: tuple
+    tables: tuple
+    positions: Optional[Tensor]
+    offsets: Any  # a Tensor, or the scalar as given (an int; check refuses others)
+    cu_seqlens: Optional[Tensor]
+    outputs: tuple
 
 
 class Slab(NamedTuple):
@@ -96,6 +143,40 @@ class Call(NamedTuple):
         return self.device[0] == "cuda"
 
 
+class _Geometry(NamedTuple):
+    """What the input slabs share: token axes, head_dim, dtype and device."""
+
+    batch: int
+    seqlen: int
+    head_dim: int
+    dtype: str
+    device: tuple
+
+
+class _Angles(NamedTuple):
+    """A checked angle source (the fields of :class:`Call` of that name)."""
+
+    source: str
+    tables: tuple
+    table_offsets: tuple
+    width: int  # frequencies: rotary_dim / 2
+    max_position: int
+    name: str  # the argument, for messages
+
+
+class _Positions(NamedTuple):
+    """The checked position rule (the fields of :class:`Call` of that name)."""
+
+    mode: str
+    positions: Optional[Tensor]
+    offsets: Optional[Tensor]
+    offset: int
+    cu_seqlens: Optional[Tensor]
+    n_seqs: int
+    cp_size: int
+    cp_rank: int
+
+
 def fmt_shape(shape) -> str:
     return "[" + ", ".join(str(n) for n in shape) + "]"
 
@@ -122,6 +203,11 @@ def _same_device(t: Tensor, device: tuple, name: str, what: str = "x") -> None:
 def _check_dtype(t: Tensor, name: str, allowed) -> None:
     if t.dtype not in allowed:
         raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {t.dtype}")
+
+
+def _floats(on_gpu: bool) -> tuple:
+    """The input dtypes: float64 only on the NumPy reference path."""
+    return FLOAT_DTYPES if on_gpu else FLOAT_DTYPES + ("float64",)
 
 
 def lattice(t: Tensor):
@@ -228,69 +314,115 @@ def _host_values(t: Tensor) -> Optional[np.ndarray]:
     return np.asarray(t.obj if t.kind != "torch" else t.obj.numpy())
 
 
+# ------------------------------------------------------------- describe ----
+def _is_scalar_offset(offsets) -> bool:
+    """An offsets value that is not an array (an int; bool for the message)."""
+    return isinstance(offsets, (bool, int, np.integer))
+
+
+def describe_arrays(op: str, inputs, tables, positions=None, offsets=None, cu_seqlens=None,
+                    outputs=()) -> Arrays:
+    """Describe every array argument of one call once, by role (see
+    :class:`Arrays`; ``outputs`` may be shorter than the op's, meaning
+    None). Raises ``TypeError`` naming an argument that is no array."""
+    def one(a, name):
+        return None if a is None else describe(a, name)
+
+    outputs = tuple(outputs) + (None,) * (len(OUTPUT_NAMES[op]) - len(outputs))
+    return Arrays(
+        op, tuple(describe(a, n) for a, n in zip(inputs, INPUT_NAMES[op])),
+        tuple(one(a, n) for a, n in zip(tables, TABLE_NAMES)),
+        one(positions, "positions"),
+        offsets if offsets is None or _is_scalar_offset(offsets) else describe(offsets, "offsets"),
+        one(cu_seqlens, "cu_seqlens"),
+        tuple(one(a, n) for a, n in zip(outputs, OUTPUT_NAMES[op])))
+
+
+def check_options(options: Options) -> Options:
+    """The checks of options that come before any array is looked at;
+    returns ``options`` with ``head_dim`` an int."""
+    layout = options.layout
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    if options.head_dim is not None:
+        options = options._replace(head_dim=_as_int(options.head_dim, "head_dim"))
+    for name in ("inplace", "interleaved", "backward"):
+        flag = getattr(options, name)
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    return options
+
+
 # --------------------------------------------------------------- angles ----
-def _angle_source(cos, sin, inv_freq, freqs, cos_sin_cache, dtype, device, rotary_dim):
-    given = [n for n, v in (("cos", cos), ("sin", sin), ("inv_freq", inv_freq),
-                            ("freqs", freqs), ("cos_sin_cache", cos_sin_cache))
-             if v is not None]
+def _source_name(tables) -> str:
+    """Which one angle source the tables give (a name of TABLE_NAMES; "cos" for cos and sin)."""
+    given = [n for n, v in zip(TABLE_NAMES, tables) if v is not None]
     if given in (["cos", "sin"], ["inv_freq"], ["freqs"], ["cos_sin_cache"]):
-        pass
-    elif given == ["cos"] or given == ["sin"]:
+        return given[0]
+    if given == ["cos"] or given == ["sin"]:
         raise ValueError(f"{'sin' if given == ['cos'] else 'cos'}: cos and sin tables come "
                          "together; pass both")
-    elif not given:
+    if not given:
         raise ValueError("cos/sin, inv_freq, freqs or cos_sin_cache: pass exactly one angle "
                          "source, got none")
-    else:
-        raise ValueError(f"{', '.join(given)}: pass exactly one angle source "
-                         "(cos and sin, inv_freq, freqs, or cos_sin_cache)")
+    raise ValueError(f"{', '.join(given)}: pass exactly one angle source "
+                     "(cos and sin, inv_freq, freqs, or cos_sin_cache)")
+
+
+def _angle_source(tables, geometry: _Geometry) -> _Angles:
+    """The checked angle source of the described ``tables`` (TABLE_NAMES order)."""
+    cos, sin, inv_freq, freqs, cos_sin_cache = tables
+    name = _source_name(tables)
+    dtype, device = geometry.dtype, geometry.device
     on_gpu = device[0] == "cuda"
     f32 = ("float32",) if on_gpu else ("float32", "float64")
     table_dtypes = ("float32", dtype) if dtype != "float32" else ("float32",)
     if not on_gpu:
         table_dtypes = table_dtypes + ("float64",)
-    if inv_freq is not None:
-        t = describe(inv_freq, "inv_freq")
+    if name == "inv_freq":
+        t = inv_freq
         if t.ndim != 1:
             raise ValueError(f"inv_freq: expected a 1-D array [rotary_dim / 2], "
                              f"got shape {fmt_shape(t.shape)}")
         _check_dtype(t, "inv_freq", f32)
         _same_device(t, device, "inv_freq")
-        return "inv_freq", (t,), (0,), t.shape[0], 0, "inv_freq"
-    if freqs is not None:
-        source, tables, names, allowed = "angle_table", (describe(freqs, "freqs"),), ("freqs",), f32
-    elif cos_sin_cache is not None:
-        t = describe(cos_sin_cache, "cos_sin_cache")
-        if t.ndim != 2 or t.shape[1] % 2:
-            raise ValueError("cos_sin_cache: expected a 2-D table [max_position, rotary_dim] "
-                             f"(cos in the first half, sin in the second), got shape "
-                             f"{fmt_shape(t.shape)}")
-        _check_dtype(t, "cos_sin_cache", table_dtypes)
-        _same_device(t, device, "cos_sin_cache")
-        half = t.shape[1] // 2
-        if t.shape[0] < 1:
-            raise ValueError("cos_sin_cache: the table has no rows")
-        return ("table", (t, t), (0, half * t.strides[1]), half, t.shape[0], "cos_sin_cache")
+        return _Angles("inv_freq", (t,), (0,), t.shape[0], 0, "inv_freq")
+    if name == "cos_sin_cache":
+        return _cos_sin_cache(cos_sin_cache, table_dtypes, device)
+    if name == "freqs":
+        source, found, names, allowed = "angle_table", (freqs,), ("freqs",), f32
     else:
-        source, tables = "table", (describe(cos, "cos"), describe(sin, "sin"))
-        names, allowed = ("cos", "sin"), table_dtypes
-    for t, n in zip(tables, names):
+        source, found, names, allowed = "table", (cos, sin), ("cos", "sin"), table_dtypes
+    for t, n in zip(found, names):
         if t.ndim != 2:
             raise ValueError(f"{n}: expected a 2-D table [max_position, rotary_dim / 2], "
                              f"got shape {fmt_shape(t.shape)}")
         _check_dtype(t, n, allowed)
         _same_device(t, device, n)
     if source == "table":
-        if tables[0].shape != tables[1].shape:
-            raise ValueError(f"sin: expected the shape of cos {fmt_shape(tables[0].shape)}, "
-                             f"got {fmt_shape(tables[1].shape)}")
-        if tables[0].dtype != tables[1].dtype:
-            raise TypeError(f"sin: expected the dtype of cos ({tables[0].dtype}), "
-                            f"got {tables[1].dtype}")
-    max_position, width = tables[0].shape
+        if cos.shape != sin.shape:
+            raise ValueError(f"sin: expected the shape of cos {fmt_shape(cos.shape)}, "
+                             f"got {fmt_shape(sin.shape)}")
+        if cos.dtype != sin.dtype:
+            raise TypeError(f"sin: expected the dtype of cos ({cos.dtype}), got {sin.dtype}")
+    max_position, width = found[0].shape
     if max_position < 1:
         raise ValueError(f"{names[0]}: the table has no rows")
-    return source, tables, (0,) * len(tables), width, max_position, names[0]
+    return _Angles(source, found, (0,) * len(found), width, max_position, names[0])
+
+
+def _cos_sin_cache(t: Tensor, allowed, device) -> _Angles:
+    """One [max_position, rotary_dim] table: cos in the first half, sin in the second."""
+    if t.ndim != 2 or t.shape[1] % 2:
+        raise ValueError("cos_sin_cache: expected a 2-D table [max_position, rotary_dim] "
+                         f"(cos in the first half, sin in the second), got shape "
+                         f"{fmt_shape(t.shape)}")
+    _check_dtype(t, "cos_sin_cache", allowed)
+    _same_device(t, device, "cos_sin_cache")
+    half = t.shape[1] // 2
+    if t.shape[0] < 1:
+        raise ValueError("cos_sin_cache: the table has no rows")
+    return _Angles("table", (t, t), (0, half * t.strides[1]), half, t.shape[0], "cos_sin_cache")
 
 
 def _rotary_dim(rotary_dim, width: int, head_dim: int, src_name: str) -> int:
@@ -389,82 +521,119 @@ def _below_max_index(v, name: str) -> None:
             raise ValueError(f"{name}: expected values below 2**62 in magnitude, got {big}")
 
 
-def _positions(call_shape, layout, positions, offsets, cu_seqlens, cp_size, cp_rank, device,
-               n_axes=0):
-    """pos_mode, positions, offsets (array), offset (int), cu_seqlens, n_seqs."""
-    batch, seqlen = call_shape
-    cp_size = _as_int(cp_size, "cp_size")
-    cp_rank = _as_int(cp_rank, "cp_rank")
+def _positions(arrays: Arrays, options: Options, geometry: _Geometry,
+               n_axes: int = 0) -> _Positions:
+    """The position rule of a call: positions, offsets and cu_seqlens checked
+    against the token axes and each other (n_axes: rows of per-axis positions)."""
+    cp_size = _as_int(options.cp_size, "cp_size")
+    cp_rank = _as_int(options.cp_rank, "cp_rank")
     if cp_size < 1:
         raise ValueError(f"cp_size: expected an int >= 1, got {cp_size}")
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank: expected 0 <= cp_rank < cp_size ({cp_size}), got {cp_rank}")
-    cu_t, n_seqs = None, 0
-    if cu_seqlens is not None:
+    layout, seqlen, device = options.layout, geometry.seqlen, geometry.device
+    cu_t, n_seqs = arrays.cu_seqlens, 0
+    if cu_t is not None:
         if layout != "thd":
             raise ValueError(f"cu_seqlens: only for layout 'thd' (packed sequences), "
                              f"got layout {layout!r}")
-        cu_t = describe(cu_seqlens, "cu_seqlens")
         if cu_t.on_gpu or device[0] != "cuda":  # host cu_seqlens are checked, then uploaded
             _same_device(cu_t, device, "cu_seqlens")
         n_seqs = check_cu_seqlens(cu_t, seqlen, cp_size)
-    pos_t = None
-    if n_axes and positions is None:
+    pos_t = arrays.positions
+    if n_axes and pos_t is None:
         raise ValueError(f"positions: sections need explicit positions, one row per axis "
                          f"([{n_axes}, ...])")
-    if positions is not None:
+    if pos_t is not None:
         if cu_t is not None:
             raise ValueError("positions: pass either explicit positions or cu_seqlens, not both")
         if cp_size > 1:
             raise ValueError("positions: explicit positions are already global; cp_size/cp_rank "
                              "remap only the implied positions (leave positions out, or use "
                              "cp_size=1)")
-        pos_t = describe(positions, "positions")
-        _same_device(pos_t, device, "positions")
-        _check_dtype(pos_t, "positions", INDEX_DTYPES)
-        _below_max_index(pos_t, "positions")
-        want = ((seqlen,),) if layout == "thd" else ((seqlen,), (batch, seqlen))
-        lead = (n_axes,) if n_axes else ()
-        if pos_t.shape not in [lead + w for w in want]:
-            txt = (f"[{seqlen}] (one per token)" if layout == "thd" else
-                   f"[{seqlen}] or [{batch}, {seqlen}] ([s] or [b, s])")
-            if n_axes:
-                txt = (f"[{n_axes}, {seqlen}] (one row per axis: len(sections) = {n_axes})"
-                       if layout == "thd" else
-                       f"[{n_axes}, {seqlen}] or [{n_axes}, {batch}, {seqlen}] (one row per "
-                       f"axis: len(sections) = {n_axes})")
-            raise ValueError(f"positions: expected shape {txt}, got {fmt_shape(pos_t.shape)}")
+        _explicit_positions(pos_t, layout, geometry, n_axes)
     elif cp_size > 1 and cu_t is None and seqlen % 2:
         raise ValueError(f"x: with cp_size={cp_size} the local sequence length must be even "
                          f"(two chunks per rank), got {seqlen}")
-    off_t, offset = None, 0
-    if offsets is not None:
-        if isinstance(offsets, bool):
-            raise TypeError("offsets: expected an int or an int32/int64 array, got bool")
-        if isinstance(offsets, (int, np.integer)):
-            offset = int(offsets)
-            _below_max_index(offset, "offsets")
-        else:
-            off_t = describe(offsets, "offsets")
-            _same_device(off_t, device, "offsets")
-            _check_dtype(off_t, "offsets", INDEX_DTYPES)
-            _below_max_index(off_t, "offsets")
-            if layout == "thd":
-                if cu_t is None:
-                    raise ValueError("offsets: an offsets array with layout 'thd' needs "
-                                     "cu_seqlens (one offset per sequence); pass an int otherwise")
-                if off_t.shape != (n_seqs,):
-                    raise ValueError(f"offsets: expected shape [{n_seqs}] (one per sequence) "
-                                     f"or an int, got {fmt_shape(off_t.shape)}")
-                if n_seqs > 1 and off_t.strides[0] != 1:
-                    raise ValueError(f"offsets: expected a contiguous array (stride 1) with "
-                                     f"cu_seqlens, got stride {off_t.strides[0]}")
-            elif off_t.shape != (batch,):
-                raise ValueError(f"offsets: expected shape [{batch}] (one per batch entry) "
-                                 f"or an int, got {fmt_shape(off_t.shape)}")
+    off_t, offset = _offsets(arrays.offsets, layout, geometry, cu_t, n_seqs)
     mode = (AXES if n_axes else EXPLICIT if pos_t is not None else
             VARLEN if cu_t is not None else IMPLIED)
-    return mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank
+    return _Positions(mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank)
+
+
+def _explicit_positions(pos_t: Tensor, layout: str, geometry: _Geometry, n_axes: int) -> None:
+    """positions: [s] or [b, s] (thd: [t]), with a leading [axes] for sections."""
+    batch, seqlen = geometry.batch, geometry.seqlen
+    _same_device(pos_t, geometry.device, "positions")
+    _check_dtype(pos_t, "positions", INDEX_DTYPES)
+    _below_max_index(pos_t, "positions")
+    want = ((seqlen,),) if layout == "thd" else ((seqlen,), (batch, seqlen))
+    lead = (n_axes,) if n_axes else ()
+    if pos_t.shape not in [lead + w for w in want]:
+        txt = (f"[{seqlen}] (one per token)" if layout == "thd" else
+               f"[{seqlen}] or [{batch}, {seqlen}] ([s] or [b, s])")
+        if n_axes:
+            txt = (f"[{n_axes}, {seqlen}] (one row per axis: len(sections) = {n_axes})"
+                   if layout == "thd" else
+                   f"[{n_axes}, {seqlen}] or [{n_axes}, {batch}, {seqlen}] (one row per "
+                   f"axis: len(sections) = {n_axes})")
+        raise ValueError(f"positions: expected shape {txt}, got {fmt_shape(pos_t.shape)}")
+
+
+def _offsets(offsets, layout: str, geometry: _Geometry, cu_t, n_seqs: int):
+    """(offsets array or None, scalar offset): one per batch entry, or with
+    cu_seqlens one per sequence, or one int for every token."""
+    if offsets is None:
+        return None, 0
+    if isinstance(offsets, bool):
+        raise TypeError("offsets: expected an int or an int32/int64 array, got bool")
+    if _is_scalar_offset(offsets):
+        offset = int(offsets)
+        _below_max_index(offset, "offsets")
+        return None, offset
+    off_t = offsets
+    _same_device(off_t, geometry.device, "offsets")
+    _check_dtype(off_t, "offsets", INDEX_DTYPES)
+    _below_max_index(off_t, "offsets")
+    if layout == "thd":
+        if cu_t is None:
+            raise ValueError("offsets: an offsets array with layout 'thd' needs "
+                             "cu_seqlens (one offset per sequence); pass an int otherwise")
+        if off_t.shape != (n_seqs,):
+            raise ValueError(f"offsets: expected shape [{n_seqs}] (one per sequence) "
+                             f"or an int, got {fmt_shape(off_t.shape)}")
+        if n_seqs > 1 and off_t.strides[0] != 1:
+            raise ValueError(f"offsets: expected a contiguous array (stride 1) with "
+                             f"cu_seqlens, got stride {off_t.strides[0]}")
+    elif off_t.shape != (geometry.batch,):
+        raise ValueError(f"offsets: expected shape [{geometry.batch}] (one per batch entry) "
+                         f"or an int, got {fmt_shape(off_t.shape)}")
+    return off_t, 0
+
+
+def _check_position_range(call: Call, src_name: str) -> None:
+    """Positions the host can see against the table (computed angles: against
+    the range where fp64 holds them exactly). Device positions cannot be
+    checked without a sync: the kernel writes NaN for any position outside
+    the table instead of reading out of bounds."""
+    if call.tokens == 0:
+        return
+    if call.pos_mode == IMPLIED and call.offsets is None:
+        lo, hi = call.offset, (call.seqlen * call.cp_size - 1) + call.offset
+    else:
+        pos = host_positions(call)
+        if pos is None or not pos.size:
+            return
+        lo, hi = int(pos.min()), int(pos.max())
+    if call.source == "inv_freq":
+        if lo <= -MAX_COMPUTED_POSITION or hi >= MAX_COMPUTED_POSITION:
+            raise ValueError(f"positions: angles computed from inv_freq take positions "
+                             f"below 2**53 in magnitude, but positions reach "
+                             f"{hi if hi >= MAX_COMPUTED_POSITION else lo}")
+    elif lo < 0 or hi >= call.max_position:
+        raise ValueError(f"{src_name}: the table has {call.max_position} rows (positions "
+                         f"0..{call.max_position - 1}) but positions reach "
+                         f"{lo if lo < 0 else hi}")
 
 
 def host_positions(call: Call) -> Optional[np.ndarray]:
@@ -555,6 +724,8 @@ def _same_view(a: Tensor, b: Tensor) -> bool:
     return a.ptr == b.ptr and a.strides == b.strides and a.shape == b.shape
 
 
+
+
 # ----------------------------------------------------------------- core ----
 def check_call(x=None, cos=None, sin=None, *, k=None, qkv=None, inv_freq=None, freqs=None,
                cos_sin_cache=None, positions=None, offsets=None, layout="bshd",
@@ -562,144 +733,161 @@ def check_call(x=None, cos=None, sin=None, *, k=None, qkv=None, inv_freq=None, f
                backward=False, cu_seqlens=None, cp_size=1, cp_rank=0, head_dim=None,
                num_q_heads=None, num_kv_heads=None, packing="concat", qkv_grads=None,
                sections=None, sections_interleaved=False) -> Call:
-    """Validate one operation.
+    """Validate one operation given the public keyword arguments.
 
     - ``x`` alone: apply_rope (out -> ``out``).
     - ``x`` and ``k``: apply_rope_qk (outputs ``out`` and ``out_k``).
     - ``qkv``: apply_rope_qkv forward: slabs read views of the packed array;
-      outputs are allocated by the caller (Slab.out None).
+      ``out`` is (out_q, out_k, out_v) or None (Slab.out None: the caller
+      allocates them).
     - ``qkv_grads=(dq, dk, dv)``: apply_rope_qkv_backward: slabs read the three
-      arrays and write views of ``out`` (the packed gradient) when given.
+      arrays and write views of ``out`` (the packed gradient) when given;
+      ``num_q_heads`` / ``num_kv_heads`` default to the heads of dq and dk.
+
+    Arrays may be given as :class:`~cupy_rope.interop.Tensor` descriptions.
     """
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
-    if head_dim is not None:
-        head_dim = _as_int(head_dim, "head_dim")
-    for flag, name in ((inplace, "inplace"), (interleaved, "interleaved"), (backward, "backward")):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-
-    if qkv is not None or qkv_grads is not None:
-        if inplace:
-            raise ValueError("inplace: the fused QKV split writes new arrays")
-        slabs, batch, seqlen, d, dtype, device = _qkv_slabs(
-            qkv, qkv_grads, out, layout, head_dim, num_q_heads, num_kv_heads, packing)
+    options = check_options(Options(layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank,
+                                     sections, sections_interleaved, backward, inplace,
+                                     num_q_heads, num_kv_heads, packing))
+    if qkv_grads is not None:
+        if len(qkv_grads) != 3:
+            raise ValueError("dq, dk, dv: expected three gradients")
+        op, inputs, outputs = "qkv_backward", tuple(qkv_grads), (out,)
+    elif qkv is not None:
+        op, inputs, outputs = "qkv", (qkv,), (() if out is None else tuple(out))
+    elif k is None:
+        if out_k is not None:
+            raise ValueError("out_k: only for apply_rope_qk")
+        op, inputs, outputs = "rope", (x,), (out,)
     else:
-        slabs, batch, seqlen, d, dtype, device = _activation_slabs(x, k, layout, head_dim)
-    on_gpu = device[0] == "cuda"
-    _check_head_dim(d, slabs[0].name, on_gpu)
+        op, inputs, outputs = "qk", (x, k), (out, out_k)
+    return check(describe_arrays(op, inputs, (cos, sin, inv_freq, freqs, cos_sin_cache),
+                                 positions, offsets, cu_seqlens, outputs), options)
 
-    source, tables, table_offsets, width, max_position, src_name = _angle_source(
-        cos, sin, inv_freq, freqs, cos_sin_cache, dtype, device, rotary_dim)
-    rotary_dim = _rotary_dim(rotary_dim, width, d, src_name)
 
-    sections = _sections(sections, sections_interleaved, rotary_dim)
-    if sections and (cu_seqlens is not None or cp_size != 1):
+def check(arrays: Arrays, options: Options) -> Call:
+    """Validate one call from its described arrays and its options (which
+    :func:`check_options` has seen): inputs, angle source, position rule,
+    outputs, then what depends on all of them (position range, alignment)."""
+    slabs, geometry = _input_slabs(arrays, options)
+    _check_head_dim(geometry.head_dim, slabs[0].name, geometry.device[0] == "cuda")
+    angles = _angle_source(arrays.tables, geometry)
+    rotary_dim = _rotary_dim(options.rotary_dim, angles.width, geometry.head_dim, angles.name)
+    sections = _sections(options.sections, options.sections_interleaved, rotary_dim)
+    if sections and (arrays.cu_seqlens is not None or options.cp_size != 1):
         raise ValueError("sections: per-axis positions are explicit; cu_seqlens and context "
                          "parallelism do not apply")
-    pos_mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank = _positions(
-        (batch, seqlen), layout, positions, offsets, cu_seqlens, cp_size, cp_rank, device,
-        len(sections))
-
-    table_names = (("cos", "sin") if src_name == "cos" else (src_name,) * len(tables))
-    read_only = [(t, n) for t, n in zip(tables, table_names)] + [
-        (t, n) for t, n in ((pos_t, "positions"), (off_t, "offsets"), (cu_t, "cu_seqlens"))
-        if t is not None]
-
-    # ---- outputs
-    if qkv is None and qkv_grads is None:
-        slabs, inplace = _activation_outputs(slabs, out, out_k, inplace, layout, head_dim,
-                                             dtype, device, read_only)
-    elif qkv_grads is not None:
-        if out is not None:  # qkv backward into a given packed gradient
-            _check_writable(slabs[0].out, "out", read_only +
-                            [(s.x, "d" + s.name) for s in slabs])
-    elif out is not None:  # qkv forward into the given out_q, out_k, out_v
-        for s in slabs:
-            _check_writable(s.out, "out_" + s.name, read_only + [(s.x, "qkv")] +
-                            [(o.out, "out_" + o.name) for o in slabs if o is not s])
-
-    call = Call(layout, batch, seqlen, d, rotary_dim, interleaved, backward, inplace,
-                tuple(slabs), dtype, device, source, tables, table_offsets, max_position,
-                pos_mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank, sections,
-                sections_interleaved)
-
-    # Positions the host can see are checked against the table (computed
-    # angles: against the range where fp64 holds them exactly) here; device
-    # positions cannot be (that would need a sync): the kernel then writes
-    # NaN for any position outside it instead of reading out of bounds.
-    if call.tokens > 0:
-        if pos_mode == IMPLIED and off_t is None:
-            lo, hi = offset, (seqlen * cp_size - 1) + offset
-        else:
-            pos = host_positions(call)
-            lo = hi = None
-            if pos is not None and pos.size:
-                lo, hi = int(pos.min()), int(pos.max())
-        if lo is None:
-            pass
-        elif source == "inv_freq":
-            if lo <= -MAX_COMPUTED_POSITION or hi >= MAX_COMPUTED_POSITION:
-                raise ValueError(f"positions: angles computed from inv_freq take positions "
-                                 f"below 2**53 in magnitude, but positions reach "
-                                 f"{hi if hi >= MAX_COMPUTED_POSITION else lo}")
-        elif lo < 0 or hi >= max_position:
-            raise ValueError(f"{src_name}: the table has {max_position} rows (positions "
-                             f"0..{max_position - 1}) but positions reach {lo if lo < 0 else hi}")
-
-    if on_gpu:
-        arrays = [(s.x, s.name) for s in slabs] + [
-            (s.out, "out") for s in slabs if s.out is not None] + read_only
-        for t, n in arrays:
-            if t.ptr % t.itemsize:
-                raise ValueError(f"{n}: data pointer {t.ptr:#x} is not aligned to its "
-                                 f"{t.itemsize}-byte elements")
+    pos = _positions(arrays, options, geometry, len(sections))
+    table_names = (("cos", "sin") if angles.name == "cos" else (angles.name,) * len(angles.tables))
+    read_only = list(zip(angles.tables, table_names)) + [
+        (t, n) for t, n in ((pos.positions, "positions"), (pos.offsets, "offsets"),
+                            (pos.cu_seqlens, "cu_seqlens")) if t is not None]
+    slabs, inplace = _output_slabs(arrays, options, slabs, geometry, read_only)
+    call = Call(options.layout, geometry.batch, geometry.seqlen, geometry.head_dim, rotary_dim,
+                options.interleaved, options.backward, inplace, tuple(slabs), geometry.dtype,
+                geometry.device, angles.source, angles.tables, angles.table_offsets,
+                angles.max_position, pos.mode, pos.positions, pos.offsets, pos.offset,
+                pos.cu_seqlens, pos.n_seqs, pos.cp_size, pos.cp_rank, sections,
+                options.sections_interleaved)
+    _check_position_range(call, angles.name)
+    if call.on_gpu:
+        _check_alignment([(s.x, s.name) for s in slabs] + [
+            (s.out, "out") for s in slabs if s.out is not None] + read_only)
     return call
 
 
-def _activation_slabs(x, k, layout, head_dim):
-    xt = describe(x, "x" if k is None else "q")
-    on_gpu = xt.on_gpu
-    floats = FLOAT_DTYPES if on_gpu else FLOAT_DTYPES + ("float64",)
-    names = ("x",) if k is None else ("q", "k")
-    _check_dtype(xt, names[0], floats)
+def _check_alignment(named) -> None:
+    """Every device array's data pointer on a whole element (the kernels' loads need it)."""
+    for t, n in named:
+        if t.ptr % t.itemsize:
+            raise ValueError(f"{n}: data pointer {t.ptr:#x} is not aligned to its "
+                             f"{t.itemsize}-byte elements")
+
+
+def attach_outputs(call: Call, outputs: tuple, options: Options) -> Call:
+    """``call`` writing into outputs the caller allocated for it (described;
+    as the library allocates them: like each input, [.., h, d] per slab for
+    apply_rope_qkv, one packed [.., (hq + 2 hk) * d] for its backward)."""
+    slabs = call.slabs
+    if len(outputs) == 1 and len(slabs) == 3:  # the packed gradient
+        packed = outputs[0]
+        view = _packed_view(packed, "out", call.layout, call.head_dim, call.heads)
+        split = _split_heads(options.packing, slabs[0].heads, slabs[1].heads, view)
+        slabs = [s._replace(out=packed, out_offset=off, out_strides=st5, heads_per_group=hpg)
+                 for s, (off, st5, hpg) in zip(slabs, split)]
+    else:
+        head_dim = None if len(slabs) == 3 else call.head_dim
+        slabs = [s._replace(out=o, out_strides=head_view(o, "out", call.layout, head_dim)[4])
+                 for s, o in zip(slabs, outputs)]
+    return call._replace(slabs=tuple(slabs))
+
+
+# ------------------------------------------------------- slabs: activations --
+def _input_slabs(arrays: Arrays, options: Options):
+    """(slabs reading the inputs, their shared _Geometry)."""
+    if arrays.op in ("rope", "qk"):
+        return _activation_slabs(arrays, options)
+    if options.inplace:
+        raise ValueError("inplace: the fused QKV split writes new arrays")
+    hq, hk = _qkv_heads(arrays, options)
+    if arrays.op == "qkv":
+        return _qkv_forward_slabs(arrays, options, hq, hk)
+    return _qkv_backward_slabs(arrays, options, hq, hk)
+
+
+def _activation_slabs(arrays: Arrays, options: Options):
+    """x, or q and k: one slab each, on the same token axes."""
+    layout, head_dim = options.layout, options.head_dim
+    names = INPUT_NAMES[arrays.op]
+    xt = arrays.inputs[0]
+    _check_dtype(xt, names[0], _floats(xt.on_gpu))
     batch, seqlen, h, d, st = head_view(xt, names[0], layout, head_dim)
     slabs = [Slab(names[0], xt, 0, st, None, 0, None, h, h, True)]
-    if k is not None:
-        kt = describe(k, "k")
+    if arrays.op == "qk":
+        kt = arrays.inputs[1]
         _same_device(kt, xt.device, "k", "q")
         if kt.dtype != xt.dtype:
             raise TypeError(f"k: expected dtype {xt.dtype} (that of q), got {kt.dtype}")
         kb, ks, kh, kd, kst = head_view(kt, "k", layout, head_dim)
         if (kb, ks) != (batch, seqlen):
-            raise ValueError(f"k: expected the token axes of q ({fmt_shape((batch, seqlen)) if layout != 'thd' else seqlen}), "
+            tok = fmt_shape((batch, seqlen)) if layout != "thd" else seqlen
+            raise ValueError(f"k: expected the token axes of q ({tok}), "
                              f"got shape {fmt_shape(kt.shape)}")
         if kd != d:
             raise ValueError(f"k: expected head_dim {d} (that of q), got {kd}")
         slabs.append(Slab("k", kt, 0, kst, None, 0, None, kh, kh, True))
-    return slabs, batch, seqlen, d, xt.dtype, xt.device
+    return slabs, _Geometry(batch, seqlen, d, xt.dtype, xt.device)
 
 
-def _activation_outputs(slabs, out, out_k, inplace, layout, head_dim, dtype, device, read_only):
-    outs = (out, out_k)
-    out_names = ("out",) if len(slabs) == 1 else ("out_q", "out_k")
-    if len(slabs) == 1 and out_k is not None:
-        raise ValueError("out_k: only for apply_rope_qk")
-    result = []
-    given = [o is not None for o in outs[:len(slabs)]]
+def _output_slabs(arrays: Arrays, options: Options, slabs, geometry: _Geometry, read_only):
+    """(slabs with their given outputs checked as written, inplace)."""
+    if arrays.op in ("rope", "qk"):
+        return _activation_outputs(arrays.outputs, slabs, options, geometry, read_only)
+    if slabs[0].out is None:
+        pass
+    elif arrays.op == "qkv_backward":  # into the given packed gradient
+        _check_writable(slabs[0].out, "out", read_only + [(s.x, s.name) for s in slabs])
+    else:  # into the given out_q, out_k, out_v
+        for s in slabs:
+            _check_writable(s.out, "out_" + s.name, read_only + [(s.x, "qkv")] +
+                            [(o.out, "out_" + o.name) for o in slabs if o is not s])
+    return slabs, options.inplace
+
+
+def _activation_outputs(outputs, slabs, options: Options, geometry: _Geometry, read_only):
+    """apply_rope / apply_rope_qk: new outputs (Slab.out None), the given
+    ones, or the inputs themselves (in place; also for out=x)."""
+    out_names = OUTPUT_NAMES["rope" if len(slabs) == 1 else "qk"]
+    given = [o is not None for o in outputs]
     if any(given) and not all(given):
         raise ValueError(f"{out_names[given.index(False)]}: pass an output for every input, "
                          "or none")
-    described = []
-    for s, o, n in zip(slabs, outs, out_names):
-        if o is None:
-            described.append(None)
-            continue
-        ot = describe(o, n)
-        _check_out(ot, n, s.x.shape, dtype, device)
-        described.append(ot)
+    for s, ot, n in zip(slabs, outputs, out_names):
+        if ot is not None:
+            _check_out(ot, n, s.x.shape, geometry.dtype, geometry.device)
+    inplace = options.inplace
     if all(given):
-        same = [_same_view(ot, s.x) for ot, s in zip(described, slabs)]
+        same = [_same_view(ot, s.x) for ot, s in zip(outputs, slabs)]
         if inplace and not all(same):
             what = "out=" if len(slabs) == 1 else "outputs"
             raise ValueError(f"{out_names[0]}: pass either {what} or inplace=True, not both")
@@ -709,20 +897,20 @@ def _activation_outputs(slabs, out, out_k, inplace, layout, head_dim, dtype, dev
             raise ValueError(f"{out_names[same.index(False)]}: either every output is its input "
                              "(in place) or none is")
     others = [(s.x, s.name) for s in slabs]
-    for i, s in enumerate(slabs):
+    result = []
+    for i, (s, ot) in enumerate(zip(slabs, outputs)):
         if inplace:
             _check_writable(s.x, s.name, read_only + [o for o in others if o[0] is not s.x])
             result.append(s._replace(out=s.x, out_strides=s.x_strides))
-        elif described[i] is not None:
-            ot = described[i]
+        elif ot is not None:
             for other, n in others:
                 if not disjoint(ot, other):
                     raise ValueError(f"{out_names[i]}: overlaps {n} without being the same "
                                      "view; pass a separate array or rotate in place "
                                      "(inplace=True)")
             _check_writable(ot, out_names[i], read_only +
-                            [(d_, out_names[j]) for j, d_ in enumerate(described) if j != i])
-            st = head_view(ot, out_names[i], layout, head_dim)[4]
+                            [(o, out_names[j]) for j, o in enumerate(outputs) if j != i])
+            st = head_view(ot, out_names[i], options.layout, options.head_dim)[4]
             result.append(s._replace(out=ot, out_strides=st))
         else:
             result.append(s)
@@ -731,125 +919,153 @@ def _activation_outputs(slabs, out, out_k, inplace, layout, head_dim, dtype, dev
     return result, inplace
 
 
-def _qkv_slabs(qkv, grads, out, layout, head_dim, num_q_heads, num_kv_heads, packing):
-    """Slabs of a fused QKV split: forward reads views of ``qkv``; backward
-    reads dq, dk, dv and writes views of ``out`` (if given)."""
+# -------------------------------------------------------- slabs: fused QKV --
+class _PackedView(NamedTuple):
+    """A packed [.., hq + 2 hk, d] (or flat [.., (hq + 2 hk) * d]) array's
+    token axes, head_dim and element strides."""
+
+    batch: int
+    seqlen: int
+    head_dim: int
+    batch_stride: int
+    seq_stride: int
+    head_stride: int
+    dim_stride: int
+
+
+def _qkv_heads(arrays: Arrays, options: Options):
+    """(num_q_heads, num_kv_heads), checked; for the backward read off dq and dk
+    when not given."""
+    packing, hq, hk = options.packing, options.num_q_heads, options.num_kv_heads
     if packing not in PACKINGS:
         raise ValueError(f"packing: expected one of {', '.join(map(repr, PACKINGS))}, "
                          f"got {packing!r}")
-    if num_q_heads is None or num_kv_heads is None:
-        if grads is not None:  # apply_rope_qkv_backward reads the counts off dq and dk
+    if arrays.op == "qkv_backward" and hq is None and hk is None:
+        hq, hk = (_heads_of(t, options) for t in arrays.inputs[:2])
+    if hq is None or hk is None:
+        if arrays.op == "qkv_backward":
             raise ValueError("head_dim: dq and dk have flattened heads [.., h * d] (or not the "
                              "dimensions of this layout); pass head_dim= to split them")
         raise ValueError("num_q_heads, num_kv_heads: both are required for a fused QKV split")
-    hq, hk = _as_int(num_q_heads, "num_q_heads"), _as_int(num_kv_heads, "num_kv_heads")
+    hq, hk = _as_int(hq, "num_q_heads"), _as_int(hk, "num_kv_heads")
     if hq < 1 or hk < 1:
         raise ValueError(f"num_q_heads, num_kv_heads: expected >= 1, got {hq}, {hk}")
     if packing == "grouped" and hq % hk:
         raise ValueError(f"num_q_heads: packing 'grouped' needs num_q_heads ({hq}) to be a "
                          f"multiple of num_kv_heads ({hk})")
+    return hq, hk
+
+
+def _heads_of(t: Tensor, options: Options):
+    """Head count of a gradient array, or None where its shape does not tell."""
+    n_tok = 1 if options.layout == "thd" else 2
+    if t.ndim == n_tok + 2:
+        return t.shape[-2]
+    if t.ndim == n_tok + 1 and options.head_dim:
+        return t.shape[-1] // options.head_dim
+    return None
+
+
+def _packed_view(t: Tensor, name: str, layout: str, head_dim, heads_total: int) -> _PackedView:
+    """The view of a packed QKV array ``t`` holding ``heads_total`` heads."""
     n_tok = 1 if layout == "thd" else 2
-    heads_total = hq + 2 * hk
-    if grads is None:
-        packed = describe(qkv, "qkv")
-        pname = "qkv"
+    if t.ndim == n_tok + 1:
+        w = t.shape[-1]
+        if head_dim is None:
+            if w % heads_total:
+                raise ValueError(f"{name}: the last axis ({w}) is not a multiple of "
+                                 f"num_q_heads + 2 * num_kv_heads = {heads_total}")
+            d = w // heads_total
+        else:
+            d = head_dim
+        if w != heads_total * d:
+            raise ValueError(f"{name}: expected a last axis of (num_q_heads + 2 * "
+                             f"num_kv_heads) * head_dim = {heads_total * d}, got {w}")
+        sd = t.strides[-1]
+        sh = d * sd
+    elif t.ndim == n_tok + 2:
+        if t.shape[-2] != heads_total:
+            raise ValueError(f"{name}: expected {heads_total} heads (num_q_heads + 2 * "
+                             f"num_kv_heads) in axis {n_tok}, got {t.shape[-2]}")
+        d, sh, sd = t.shape[-1], t.strides[-2], t.strides[-1]
+        if head_dim is not None and head_dim != d:
+            raise ValueError(f"head_dim: expected {d} (the last axis of {name}), "
+                             f"got {head_dim}")
     else:
-        if len(grads) != 3:
-            raise ValueError("dq, dk, dv: expected three gradients")
-        gts = [describe(g, n) for g, n in zip(grads, ("dq", "dk", "dv"))]
-        packed = describe(out, "out") if out is not None else None
-        pname = "out"
-    ref = packed if packed is not None else gts[0]
-    on_gpu = ref.on_gpu
-    floats = FLOAT_DTYPES if on_gpu else FLOAT_DTYPES + ("float64",)
-    _check_dtype(ref, pname if packed is not None else "dq", floats)
-    dtype, device = ref.dtype, ref.device
+        raise ValueError(f"{name}: expected the token axes of layout {layout!r} then "
+                         f"[(hq + 2 hk) * d] or [hq + 2 hk, d], got shape "
+                         f"{fmt_shape(t.shape)}")
+    if layout == "thd":
+        return _PackedView(1, t.shape[0], d, 0, t.strides[0], sh, sd)
+    ba, sa = LAYOUTS[layout]
+    return _PackedView(t.shape[ba], t.shape[sa], d, t.strides[ba], t.strides[sa], sh, sd)
 
-    def packed_view(t, name):
-        if t.ndim == n_tok + 1:
-            w = t.shape[-1]
-            if head_dim is None:
-                if w % heads_total:
-                    raise ValueError(f"{name}: the last axis ({w}) is not a multiple of "
-                                     f"num_q_heads + 2 * num_kv_heads = {heads_total}")
-                d_ = w // heads_total
-            else:
-                d_ = head_dim
-            if w != heads_total * d_:
-                raise ValueError(f"{name}: expected a last axis of (num_q_heads + 2 * "
-                                 f"num_kv_heads) * head_dim = {heads_total * d_}, got {w}")
-            sd = t.strides[-1]
-            sh = d_ * sd
-        elif t.ndim == n_tok + 2:
-            if t.shape[-2] != heads_total:
-                raise ValueError(f"{name}: expected {heads_total} heads (num_q_heads + 2 * "
-                                 f"num_kv_heads) in axis {n_tok}, got {t.shape[-2]}")
-            d_, sh, sd = t.shape[-1], t.strides[-2], t.strides[-1]
-            if head_dim is not None and head_dim != d_:
-                raise ValueError(f"head_dim: expected {d_} (the last axis of {name}), "
-                                 f"got {head_dim}")
-        else:
-            raise ValueError(f"{name}: expected the token axes of layout {layout!r} then "
-                             f"[(hq + 2 hk) * d] or [hq + 2 hk, d], got shape "
-                             f"{fmt_shape(t.shape)}")
-        if layout == "thd":
-            b_, s_, sb, ss = 1, t.shape[0], 0, t.strides[0]
-        else:
-            ba, sa = LAYOUTS[layout]
-            b_, s_, sb, ss = t.shape[ba], t.shape[sa], t.strides[ba], t.strides[sa]
-        return b_, s_, d_, sb, ss, sh, sd
 
-    def split(b_, s_, d_, sb, ss, sh, sd):
-        """(element offset, strides5, heads_per_group) of q, k, v."""
-        if packing == "concat":
-            return [(0, (sb, ss, 0, sh, sd), hq), (hq * sh, (sb, ss, 0, sh, sd), hk),
-                    ((hq + hk) * sh, (sb, ss, 0, sh, sd), hk)]
-        g = hq // hk  # hk groups of (g q heads, 1 k head, 1 v head)
-        gs = (g + 2) * sh
-        return [(0, (sb, ss, gs, sh, sd), g), (g * sh, (sb, ss, gs, sh, sd), 1),
-                ((g + 1) * sh, (sb, ss, gs, sh, sd), 1)]
+def _split_heads(packing: str, hq: int, hk: int, v: _PackedView) -> list:
+    """(element offset, strides5, heads_per_group) of q, k and v in a packed view."""
+    if packing == "concat":
+        st5 = (v.batch_stride, v.seq_stride, 0, v.head_stride, v.dim_stride)
+        return [(0, st5, hq), (hq * v.head_stride, st5, hk), ((hq + hk) * v.head_stride, st5, hk)]
+    g = hq // hk  # hk groups of (g q heads, 1 k head, 1 v head)
+    st5 = (v.batch_stride, v.seq_stride, (g + 2) * v.head_stride, v.head_stride, v.dim_stride)
+    return [(0, st5, g), (g * v.head_stride, st5, 1), ((g + 1) * v.head_stride, st5, 1)]
 
+
+def _qkv_forward_slabs(arrays: Arrays, options: Options, hq: int, hk: int):
+    """apply_rope_qkv: q, k and v read views of ``qkv``; written into the given
+    out_q, out_k, out_v (all three or none), else into new arrays."""
+    packed = arrays.inputs[0]
+    _check_dtype(packed, "qkv", _floats(packed.on_gpu))
+    view = _packed_view(packed, "qkv", options.layout, options.head_dim, hq + 2 * hk)
     heads = (hq, hk, hk)
-    names = ("q", "k", "v")
-    slabs = []
-    if grads is None:
-        b_, s_, d_, *st = packed_view(packed, "qkv")
-        for (off, st5, hpg), h, n in zip(split(b_, s_, d_, *st), heads, names):
-            slabs.append(Slab(n, packed, off, st5, None, 0, None, h, hpg, n != "v"))
-        if out is not None:  # (out_q, out_k, out_v)
-            tok = packed.shape[:n_tok]
-            for i, (o, n) in enumerate(zip(out, ("out_q", "out_k", "out_v"))):
-                ot = describe(o, n)  # written: checked by check_call (_check_writable)
-                _check_out(ot, n, tuple(tok) + (heads[i], d_), dtype, device)
-                st5 = head_view(ot, n, layout, None)[4]
-                slabs[i] = slabs[i]._replace(out=ot, out_strides=st5)
-        return slabs, b_, s_, d_, dtype, device
-    # backward: dq [.., hq, d], dk, dv [.., hk, d] -> packed
-    b_ = s_ = d_ = None
-    for gt, h, n in zip(gts, heads, names):
-        _check_dtype(gt, "d" + n, floats)
+    slabs = [Slab(n, packed, off, st5, None, 0, None, h, hpg, n != "v")
+             for (off, st5, hpg), h, n in zip(_split_heads(options.packing, hq, hk, view), heads,
+                                              ("q", "k", "v"))]
+    outs = arrays.outputs
+    if any(o is not None for o in outs):
+        if not all(o is not None for o in outs):
+            raise ValueError("out_q, out_k, out_v: pass all three outputs, or none")
+        tok = tuple(packed.shape[:1 if options.layout == "thd" else 2])
+        for i, (ot, n) in enumerate(zip(outs, OUTPUT_NAMES["qkv"])):
+            _check_out(ot, n, tok + (heads[i], view.head_dim), packed.dtype, packed.device)
+            st5 = head_view(ot, n, options.layout, None)[4]
+            slabs[i] = slabs[i]._replace(out=ot, out_strides=st5)
+    return slabs, _Geometry(view.batch, view.seqlen, view.head_dim, packed.dtype, packed.device)
+
+
+def _qkv_backward_slabs(arrays: Arrays, options: Options, hq: int, hk: int):
+    """apply_rope_qkv_backward: dq, dk, dv read as they are; written into views
+    of the packed gradient ``out`` when given (its dtype and device rule)."""
+    layout, packing = options.layout, options.packing
+    packed = arrays.outputs[0]
+    ref = packed if packed is not None else arrays.inputs[0]
+    floats = _floats(ref.on_gpu)
+    _check_dtype(ref, "out" if packed is not None else "dq", floats)
+    dtype, device = ref.dtype, ref.device
+    slabs, tok = [], None
+    for gt, h, n in zip(arrays.inputs, (hq, hk, hk), INPUT_NAMES["qkv_backward"]):
+        _check_dtype(gt, n, floats)
         if gt.dtype != dtype:
-            raise TypeError(f"d{n}: expected dtype {dtype}, got {gt.dtype}")
-        _same_device(gt, device, "d" + n, "dq")
-        gb, gs_, gh, gd, gst = head_view(gt, "d" + n, layout, head_dim)
-        if b_ is None:
-            b_, s_, d_ = gb, gs_, gd
-        if (gb, gs_, gd) != (b_, s_, d_) or gh != h:
-            raise ValueError(f"d{n}: expected {h} heads of head_dim {d_} on the token axes of "
-                             f"dq, got shape {fmt_shape(gt.shape)}")
-        slabs.append(Slab("d" + n, gt, 0, gst, None, 0, None, h, h, n != "v"))
-    if packed is not None:
-        tok = (s_,) if layout == "thd" else ((b_, s_) if layout == "bshd" else (s_, b_))
-        pb, ps, pd, *pst = packed_view(packed, "out")
-        if (pb, ps, pd) != (b_, s_, d_):
-            raise ValueError(f"out: expected a packed gradient with token axes "
-                             f"{fmt_shape(tok)} and head_dim {d_}, got shape "
-                             f"{fmt_shape(packed.shape)}")
-        for i, (off, st5, hpg) in enumerate(split(pb, ps, pd, *pst)):
-            slabs[i] = slabs[i]._replace(out=packed, out_offset=off, out_strides=st5,
-                                         heads_per_group=hpg)
-    else:
+            raise TypeError(f"{n}: expected dtype {dtype}, got {gt.dtype}")
+        _same_device(gt, device, n, "dq")
+        gb, gs, gh, gd, gst = head_view(gt, n, layout, options.head_dim)
+        tok = tok or (gb, gs, gd)
+        if (gb, gs, gd) != tok or gh != h:
+            raise ValueError(f"{n}: expected {h} heads of head_dim {tok[2]} on the token axes "
+                             f"of dq, got shape {fmt_shape(gt.shape)}")
+        slabs.append(Slab(n, gt, 0, gst, None, 0, None, h, h, n != "dv"))
+    b, s, d = tok
+    if packed is None:
         # Group geometry is that of the packed array the caller will allocate.
-        for i, (_, _, hpg) in enumerate(split(b_, s_, d_, 0, 0, d_, 1)):
-            slabs[i] = slabs[i]._replace(heads_per_group=hpg)
-    return slabs, b_, s_, d_, dtype, device
+        split = _split_heads(packing, hq, hk, _PackedView(b, s, d, 0, 0, d, 1))
+        slabs = [sl._replace(heads_per_group=hpg) for sl, (_, _, hpg) in zip(slabs, split)]
+        return slabs, _Geometry(b, s, d, dtype, device)
+    view = _packed_view(packed, "out", layout, options.head_dim, hq + 2 * hk)
+    if (view.batch, view.seqlen, view.head_dim) != tok:
+        axes = (s,) if layout == "thd" else ((b, s) if layout == "bshd" else (s, b))
+        raise ValueError(f"out: expected a packed gradient with token axes "
+                         f"{fmt_shape(axes)} and head_dim {d}, got shape "
+                         f"{fmt_shape(packed.shape)}")
+    slabs = [sl._replace(out=packed, out_offset=off, out_strides=st5, heads_per_group=hpg)
+             for sl, (off, st5, hpg) in zip(slabs, _split_heads(packing, hq, hk, view))]
+    return slabs, _Geometry(b, s, d, dtype, device)

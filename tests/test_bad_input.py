@@ -102,6 +102,11 @@ CASES = [
     ("qkv backward flattened heads", lambda a: QKVB(
         a["dq"].reshape(2, 4, 64), a["dk"].reshape(2, 4, 32), a["dv"].reshape(2, 4, 32),
         inv_freq=a["inv"]), ValueError, "head_dim: dq and dk have flattened heads"),
+    ("qkv backward out overlaps dq", lambda a: (lambda buf: QKVB(
+        buf[:, :, :4], a["dk"], a["dv"], inv_freq=a["inv"], out=buf))(np.zeros((2, 4, 8, 16), np.float32)),
+     ValueError, "out: overlaps dq;"),
+    ("qkv backward dq not an array", lambda a: QKVB("dq", a["dk"], a["dv"], inv_freq=a["inv"]),
+     TypeError, "dq: expected an array"),
     ("stride not whole elements", lambda a: R(np.lib.stride_tricks.as_strided(
         a["x"], shape=(2, 4, 3, 16), strides=(768, 192, 64, 2)), inv_freq=a["inv"]),
      ValueError, "x: stride 2 bytes on axis 3 is not a multiple of its 4-byte elements"),

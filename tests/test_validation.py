@@ -276,3 +276,60 @@ def test_disjoint_never_calls_sharing_views_apart():
                    for ix in np.ndindex(views[1].shape)}
         assert not bytes_a & bytes_b
     assert by_lattice > 20  # the lattice test, not only the spans, was exercised
+
+
+@pytest.mark.parametrize("op", ["rope", "qk", "qkv", "qkv_backward"])
+def test_each_array_argument_is_described_once_per_call(monkeypatch, op):
+    """The general path describes every array argument once (validation
+    works on those descriptions), whatever the op and the options."""
+    from cupy_rope import validate
+
+    seen = []
+    real = validate.describe
+    monkeypatch.setattr(validate, "describe", lambda a, name: seen.append(id(a)) or real(a, name))
+    cos, sin = _tables()
+    pos, offs = np.arange(4), np.array([1, 2])
+    if op == "rope":
+        args = (_x(), cos, sin)
+        kw = dict(positions=pos, offsets=offs, out=_x())
+        cupy_rope.apply_rope(*args, **kw)
+    elif op == "qk":
+        args = (_x(), _x((2, 4, 1, 8)), cos, sin)
+        kw = dict(positions=pos, offsets=offs, out_q=_x(), out_k=_x((2, 4, 1, 8)))
+        cupy_rope.apply_rope_qk(*args, **kw)
+    elif op == "qkv":
+        args = (_x((2, 4, 48)), cos, sin)
+        kw = dict(positions=pos, offsets=offs, num_q_heads=4, num_kv_heads=1,
+                  out_q=_x((2, 4, 4, 8)), out_k=_x((2, 4, 1, 8)), out_v=_x((2, 4, 1, 8)))
+        cupy_rope.apply_rope_qkv(*args, **kw)
+    else:
+        args = (_x((2, 4, 4, 8)), _x((2, 4, 1, 8)), _x((2, 4, 1, 8)), cos, sin)
+        kw = dict(positions=pos, offsets=offs, out=_x((2, 4, 48)))
+        cupy_rope.apply_rope_qkv_backward(*args, **kw)
+    given = [id(a) for a in args] + [id(v) for v in kw.values() if isinstance(v, np.ndarray)]
+    assert sorted(seen) == sorted(given)
+
+
+def test_apply_rope_backward_takes_apply_ropes_parameters_but_backward():
+    import inspect
+
+    forward = dict(inspect.signature(cupy_rope.apply_rope).parameters)
+    backward = dict(inspect.signature(cupy_rope.apply_rope_backward).parameters)
+    del forward["backward"], forward["x"], backward["grad"]
+    assert backward == forward
+    x, cos, sin = _x(), *_tables()
+    np.testing.assert_array_equal(cupy_rope.apply_rope_backward(x, cos, sin, offsets=3),
+                                  cupy_rope.apply_rope(x, cos, sin, offsets=3, backward=True))
+
+
+def test_check_call_equals_describe_then_check():
+    """check_call (keyword arguments) is describe_arrays + check_options + check."""
+    from cupy_rope import validate
+
+    x, cos, sin = _x(), *_tables()
+    pos = np.arange(4)
+    want = validate.check_call(x, cos, sin, positions=pos, offsets=2, interleaved=True)
+    arrays = validate.describe_arrays("rope", (x,), (cos, sin, None, None, None), positions=pos,
+                                      offsets=2)
+    options = validate.check_options(validate.Options(interleaved=True))
+    assert validate.check(arrays, options) == want
