@@ -7,7 +7,9 @@ Run it from the repository root on a machine with a CUDA GPU::
     python -m benchmarks.bench --filter '^thd' --peers none --no-host   # a quick subset
 
 It prints the decode host cost, the criteria (PASS/FAIL/SKIP, see
-``CRITERIA``) and one table; ``--json`` keeps everything as data.
+``CRITERIA``) and one table; ``--json`` keeps everything as data. Without a
+CUDA device it says so in one line and exits with status 2 (``--list`` and
+``--help`` still work).
 
 What it measures
 ----------------
@@ -75,6 +77,7 @@ import numpy as np
 
 from benchmarks import peers as peers_mod
 from benchmarks.peers import Prepared, Unusable
+from cupy_rope.interop import NoCudaDeviceError, require_cuda
 
 OURS = "cupy-rope"
 #: thd workloads also time cupy-rope on the per-token positions the peers are
@@ -1659,6 +1662,11 @@ def main(argv=None):
         return 0
     if not workloads:
         print("no workload selected", file=sys.stderr)
+        return 2
+    try:
+        require_cuda("python -m benchmarks.bench")
+    except NoCudaDeviceError as e:  # one line instead of CuPy's traceback
+        print(e, file=sys.stderr)
         return 2
     checkpoint = (lambda res: write_json(res, args.json)) if args.json else None
     result = run(workloads, peers=args.peers, reps=args.reps, n_sets=args.sets,

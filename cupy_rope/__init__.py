@@ -7,8 +7,9 @@ float64 reference. The functions are described in ``docs/api.md``.
 
 from .api import (RotaryEmbedding, apply_rope, apply_rope_backward, apply_rope_qk,
                   apply_rope_qkv, apply_rope_qkv_backward)
+from .interop import NoCudaDeviceError
 from .specialize import CompileError
 
 __all__ = ["apply_rope", "apply_rope_backward", "apply_rope_qk", "apply_rope_qkv",
-           "apply_rope_qkv_backward", "RotaryEmbedding", "CompileError"]
+           "apply_rope_qkv_backward", "RotaryEmbedding", "CompileError", "NoCudaDeviceError"]
 __version__ = "0.1.0"

@@ -193,7 +193,7 @@ def _fast_call(op, classes, n_head, bound):
     when some class has no straight-line signer (host arrays, JAX, ...).
     With ``bound`` (a RotaryEmbedding's signed tables, which follow the
     ``n_head`` head arrays) the tables' pointers are constants, not read.
-    Arrays sharing a pointer (out=x, q is k) keep to the general path."""
+    Arrays sharing a pointer (cos is sin, q is k) keep to the general path."""
     consts = {} if bound is None else {n_head + j: p for j, p in enumerate(bound[1]) if p}
     sign = interop.signature_reader(classes, consts, distinct=True)
     if sign is None:
@@ -277,7 +277,7 @@ def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None
     if key is not None:
         nonzero = [p for p in ptrs if p]
         if len(set(nonzero)) != len(nonzero):
-            # Arrays sharing a pointer (out=x, cos is sin, q is k): a plan of its own.
+            # Arrays sharing a pointer (cos is sin, q is k): a plan of its own.
             key.append(_alias_pattern(ptrs))
             remember = None
         key = tuple(key)
@@ -331,7 +331,8 @@ sections_interleaved
     Raises
     ------
     TypeError
-        For a flag that is not a bool or a count that is not an int.
+        For a flag that is not a bool (Python or NumPy) or a count that is
+        not an int.
 
     Example
     -------
@@ -340,10 +341,8 @@ sections_interleaved
     """
     if layout != "bshd":
         kw["layout"] = layout
-    for flag, name in ((interleaved, "interleaved"),
-                       (sections_interleaved, "sections_interleaved")):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    interleaved = validate._as_bool(interleaved, "interleaved")
+    sections_interleaved = validate._as_bool(sections_interleaved, "sections_interleaved")
     if interleaved:
         kw["interleaved"] = True
     if rotary_dim is not None:
@@ -380,6 +379,11 @@ def _split_offsets(offsets):
     """(scalar offset, offsets array or other object for the signature)."""
     if isinstance(offsets, np.integer):
         return int(offsets), None
+    # A host 0-d integer array is a scalar offset: its value is launched as
+    # one, not read from the array a cached plan would not look at again.
+    value = validate.host_offset(offsets)
+    if value is not None:
+        return value, None
     return 0, offsets  # an array, or a bad value (bool, float) that validation refuses
 
 
@@ -623,9 +627,10 @@ def _numpy_into(call):
         y = y.reshape(dst.shape)
         if call.inplace and call.rotary_dim < call.head_dim:
             # In place, channels past rotary_dim are not touched at all.
-            dst[..., :call.rotary_dim] = y[..., :call.rotary_dim].astype(dst.dtype)
+            r = call.rotary_dim
+            dst[..., :r] = reference.encoded(y[..., :r], dst, slab.out.dtype)
         else:
-            dst[...] = y.astype(dst.dtype)
+            dst[...] = reference.encoded(y, dst, slab.out.dtype)
 
 
 def _key_sections(sections):
@@ -660,11 +665,12 @@ def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cach
         [max_position, r]: cos in the first half, sin in the second
         (vLLM / FlashInfer) [Angle sources]. Give exactly one angle source.
     positions : array, optional
-        int32/int64 [s] or [b, s] (thd: [t]); default: the sequence index
-        [Positions].
+        int32/int64 [s], [1, s] (Hugging Face's position_ids, shared by the
+        batch) or [b, s] (thd: [t]); default: the sequence index [Positions].
     offsets : int or array, optional
-        Added to every position: an int, or [b] (thd with ``cu_seqlens``:
-        [n_seqs]) [Positions].
+        Added to every position: an int (or a 0-d integer array: a host one
+        read as an int, a device one as one offset for every batch entry),
+        or [b] (thd with ``cu_seqlens``: [n_seqs]) [Positions].
     layout : {"bshd", "sbhd", "thd"}
         [Layouts].
     interleaved : bool
@@ -676,7 +682,8 @@ def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cach
     inplace : bool
         Rotate ``x`` itself [Outputs and in-place].
     out : array, optional
-        Where to write the result, shaped like ``x`` [Outputs and in-place].
+        Where to write the result, shaped like ``x``, overlapping no input
+        (not ``x`` itself: that is ``inplace=True``) [Outputs and in-place].
     backward : bool
         Rotate by -theta: the gradient with respect to x [Backward].
     cu_seqlens : array, optional
@@ -782,7 +789,8 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_si
     q : array
         [.., hq, d] in ``layout``, as ``x`` of :func:`apply_rope`.
     k : array
-        [.., hk, d] on q's token axes.
+        [.., hk, d] on q's token axes; not None (to rotate q alone use
+        :func:`apply_rope`).
     out_q, out_k : array, optional
         Where to write the results (both or neither) [Outputs and in-place].
     cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, layout, \
@@ -958,9 +966,11 @@ sections_interleaved
 
     Raises
     ------
-    ValueError
-        Without an angle source. The other arguments are checked on the
-        first call, as the functions check them.
+    ValueError, TypeError
+        For bad arguments, as the functions check them: the angle source
+        (exactly one; cos with sin; arrays of the allowed dtypes) and every
+        option. What needs x (its dtype against the tables', head_dim) is
+        checked on the first call.
 
     Notes
     -----
@@ -986,6 +996,13 @@ sections_interleaved
         if all(t is None for t in self._tables):
             raise ValueError("RotaryEmbedding: give an angle source: cos and sin, "
                              "cos_sin_cache, inv_freq or freqs")
+        # Checked now with the calls' own checks, so that a bad argument fails
+        # here and not on the first call; flags become Python bools.
+        o = validate.check_bound(self._tables, validate.Options(
+            layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank, sections,
+            sections_interleaved))
+        layout, interleaved, head_dim, cp_size, cp_rank, sections_interleaved = (
+            o.layout, o.interleaved, o.head_dim, o.cp_size, o.cp_rank, o.sections_interleaved)
         key: list = []
         ptrs: list = []
         signed = all(t is None or _sign(t, key, ptrs) for t in self._tables)

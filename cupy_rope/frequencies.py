@@ -79,6 +79,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from .interop import NoCudaDeviceError, require_cuda  # NoCudaDeviceError: also importable here
 from .validate import _as_int
 
 __all__ = [
@@ -703,31 +704,6 @@ def from_config(config, seq_len=None, *, layer_type=None) -> Tuple[np.ndarray, f
 # cos / sin tables
 
 
-class NoCudaDeviceError(RuntimeError):
-    """A GPU function was called where CuPy sees no CUDA device (or is not installed)."""
-
-
-def _require_cuda(what: str):
-    """CuPy, once it is known to see a CUDA device; else :class:`NoCudaDeviceError`.
-
-    CuPy's own error on a machine without a GPU (``cudaErrorInsufficientDriver``
-    and the like) names neither the cause nor what still works.
-    """
-    try:
-        import cupy
-
-        count = cupy.cuda.runtime.getDeviceCount()
-        why = "CuPy sees 0 devices" if count == 0 else None
-    except Exception as e:  # ImportError, or CUDARuntimeError without a driver
-        why = f"{type(e).__name__}: {e}"
-    if why is not None:
-        raise NoCudaDeviceError(
-            f"{what}: no CUDA device was found ({why}); the NumPy reference path still works "
-            "(NumPy arrays to cupy_rope.apply_rope*, cupy_rope.frequencies.cos_sin_cache for "
-            "the tables)")
-    return cupy
-
-
 def _check_table_args(max_position, attention_factor):
     max_position = _positive_int(max_position, "max_position")
     attention_factor = _positive_float(attention_factor, "attention_factor")
@@ -883,7 +859,7 @@ def cos_sin_cache_gpu(inv_freq, max_position, attention_factor=1.0):
     ((8192, 64), 'cupy')
     """
     max_position, attention_factor = _check_table_args(max_position, attention_factor)
-    cupy = _require_cuda("cos_sin_cache_gpu")
+    cupy = require_cuda("cos_sin_cache_gpu")
     inv = _inv_freq_device(cupy, inv_freq)
     half = inv.size
     cos = cupy.empty((max_position, half), dtype=cupy.float32)

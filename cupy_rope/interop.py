@@ -7,6 +7,7 @@ through the DLPack protocol (``__dlpack_device__`` / ``__dlpack__``), whose
 capsule is read with ctypes, so bfloat16 works whether or not CuPy has a
 bfloat16 dtype. Results go back in the caller's framework: torch in, torch
 out; JAX in, JAX out; CuPy (and any other DLPack producer) in, CuPy out.
+:func:`require_cuda` says in one line when there is no CUDA device.
 """
 
 from __future__ import annotations
@@ -532,3 +533,49 @@ def wrap_result(like, arr):
 
         return jax.dlpack.from_dlpack(arr)
     return arr
+
+
+# ---------------------------------------------------------- CUDA present ---
+class NoCudaDeviceError(RuntimeError):
+    """A GPU function was called where CuPy sees no CUDA device (or is not installed)."""
+
+
+def require_cuda(what: str):
+    """CuPy, once it is known to see a CUDA device.
+
+    CuPy's own error on a machine without a GPU (``cudaErrorInsufficientDriver``
+    and the like) names neither the cause nor what still works; this says
+    both in one line.
+
+    Parameters
+    ----------
+    what : str
+        What needs the device (a function, a command), named in the message.
+
+    Returns
+    -------
+    module
+        ``cupy``.
+
+    Raises
+    ------
+    NoCudaDeviceError
+        (a ``RuntimeError``) where CuPy is missing or sees no CUDA device.
+
+    Example
+    -------
+    >>> cupy = require_cuda("my_gpu_step")                    # doctest: +SKIP
+    """
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        why = "CuPy sees 0 devices" if count == 0 else None
+    except Exception as e:  # ImportError, or CUDARuntimeError without a driver
+        why = f"{type(e).__name__}: {e}"
+    if why is not None:
+        raise NoCudaDeviceError(
+            f"{what}: no CUDA device was found ({why}); the NumPy reference path still works "
+            "(NumPy arrays to cupy_rope.apply_rope*, cupy_rope.frequencies.cos_sin_cache for "
+            "the tables)")
+    return cupy

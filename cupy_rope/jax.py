@@ -82,7 +82,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import api
+from . import api, validate
 from .validate import _as_int
 
 __all__ = ["rope", "rope_qk", "rope_qkv", "apply_rope", "apply_rope_qk", "apply_rope_qkv"]
@@ -334,8 +334,8 @@ def rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, of
     backward : bool, default False
         Rotate by -theta (static).
     sections, sections_interleaved : optional
-        M-RoPE / axial RoPE (static); ``positions`` is then [axes, s] /
-        [axes, b, s] (thd: [axes, t]).
+        M-RoPE / axial RoPE (static); ``positions`` is then [axes, s],
+        [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
 
     Returns
     -------
@@ -418,8 +418,8 @@ def rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=No
     backward : bool, default False
         Rotate by -theta (static).
     sections, sections_interleaved : optional
-        M-RoPE / axial RoPE (static); ``positions`` is then [axes, s] /
-        [axes, b, s] (thd: [axes, t]).
+        M-RoPE / axial RoPE (static); ``positions`` is then [axes, s],
+        [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
 
     Returns
     -------
@@ -442,6 +442,8 @@ def rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=No
     >>> [t.shape for t in crj.rope_qk(q, k, cos, sin)]
     [(2, 128, 8, 64), (2, 128, 2, 64)]
     """
+    if k is None:
+        raise validate.none_input("k", alone="cupy_rope.jax.rope")
     q, k = jnp.asarray(q), jnp.asarray(k)
     static, arrays = _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens,
                               layout, cp_size, cp_rank, interleaved, rotary_dim, head_dim,
@@ -569,8 +571,8 @@ def rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=Non
     cp_size, cp_rank, interleaved, rotary_dim : optional
         Static, as in :func:`cupy_rope.apply_rope`.
     sections, sections_interleaved : optional
-        M-RoPE / axial RoPE (static); ``positions`` is then [axes, s] /
-        [axes, b, s] (thd: [axes, t]).
+        M-RoPE / axial RoPE (static); ``positions`` is then [axes, s],
+        [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
 
     Returns
     -------

@@ -21,6 +21,97 @@ def _f64(a) -> np.ndarray:
     return np.asarray(a).astype(np.float64)
 
 
+def host_array(t) -> np.ndarray:
+    """A NumPy array over a host array's memory (no copy).
+
+    NumPy arrays come as they are and CPU torch tensors through ``.numpy()``;
+    a bfloat16 torch tensor, for which NumPy has no dtype, comes as its
+    uint16 bits (:func:`decoded` and :func:`encoded` convert them).
+
+    Parameters
+    ----------
+    t : cupy_rope.interop.Tensor
+        The description of a host array (``t.obj``).
+
+    Returns
+    -------
+    numpy.ndarray
+        A view of ``t.obj``'s memory with its shape and strides.
+
+    Examples
+    --------
+    A CPU ``torch.bfloat16`` [2, 8] tensor gives a uint16 [2, 8] view.
+    """
+    if t.kind != "torch":
+        return np.asarray(t.obj)
+    x = t.obj.detach()
+    if t.dtype == "bfloat16":
+        import torch
+
+        return x.view(torch.int16).numpy().view(np.uint16)
+    return x.numpy()
+
+
+def _is_bf16_bits(a: np.ndarray, dtype: str) -> bool:
+    return dtype == "bfloat16" and a.dtype == np.uint16
+
+
+def decoded(a: np.ndarray, dtype: str) -> np.ndarray:
+    """The float64 values of (a view of) a :func:`host_array`.
+
+    Parameters
+    ----------
+    a : numpy.ndarray
+        The host array, or a view of it.
+    dtype : str
+        The dtype name of the array it shows (``Tensor.dtype``).
+
+    Returns
+    -------
+    numpy.ndarray
+        A float64 copy.
+
+    Examples
+    --------
+    >>> decoded(np.array([0x3F80], np.uint16), "bfloat16")
+    array([1.])
+    """
+    if _is_bf16_bits(a, dtype):  # bfloat16 is the top half of a float32
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return _f64(a)
+
+
+def encoded(y: np.ndarray, like: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 values as stored in a :func:`host_array`.
+
+    Parameters
+    ----------
+    y : numpy.ndarray
+        float64 values.
+    like : numpy.ndarray
+        The host array (or a view of it) they are for.
+    dtype : str
+        The dtype name of the array ``like`` shows (``Tensor.dtype``).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``y`` in ``like``'s dtype; for bfloat16 bits, rounded to nearest
+        even through float32, as torch rounds a float64 tensor.
+
+    Examples
+    --------
+    >>> encoded(np.array([1.0]), np.zeros(1, np.uint16), "bfloat16")
+    array([16256], dtype=uint16)
+    """
+    if not _is_bf16_bits(like, dtype):
+        return y.astype(like.dtype)
+    bits = np.ascontiguousarray(y, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    out[np.isnan(y)] = 0x7FC0
+    return out
+
+
 def strided_view(t, offset: int, strides5: tuple, batch: int, seqlen: int, heads: int,
                  heads_per_group: int, head_dim: int) -> np.ndarray:
     """A strided [b, s, groups, heads_per_group, d] view of a host array.
@@ -48,7 +139,7 @@ def strided_view(t, offset: int, strides5: tuple, batch: int, seqlen: int, heads
     A [2, 16, 8, 64] bshd array of 8 heads in 2 groups of 4 gives a
     [2, 16, 2, 4, 64] view.
     """
-    base = np.asarray(t.obj)
+    base = host_array(t)
     item = base.itemsize
     start = np.lib.stride_tricks.as_strided(base, shape=(offset + 1,), strides=(item,))[offset:]
     sb, ss, sg, sh, sd = strides5
@@ -82,7 +173,7 @@ def slab_input(call: Call, slab: Slab) -> np.ndarray:
     """
     v = strided_view(slab.x, slab.x_offset, slab.x_strides, call.batch, call.seqlen,
                      slab.heads, slab.heads_per_group, call.head_dim)
-    return _f64(v).reshape(call.batch, call.seqlen, slab.heads, call.head_dim)
+    return decoded(v, slab.x.dtype).reshape(call.batch, call.seqlen, slab.heads, call.head_dim)
 
 
 def axis_of_frequency(sections, interleaved: bool) -> np.ndarray:
@@ -122,6 +213,11 @@ def axis_of_frequency(sections, interleaved: bool) -> np.ndarray:
     return axis
 
 
+def _table(t) -> np.ndarray:
+    """The float64 values of an angle source array."""
+    return decoded(host_array(t), t.dtype)
+
+
 def cos_sin_of(call: Call, pos: np.ndarray):
     """The cos and sin of every token's angles, from the call's angle source.
 
@@ -150,20 +246,20 @@ def cos_sin_of(call: Call, pos: np.ndarray):
     else:
         pos = np.broadcast_to(pos[..., None], pos.shape + (half,))
     if call.source == "inv_freq":
-        theta = pos.astype(np.float64) * _f64(call.tables[0].obj)
+        theta = pos.astype(np.float64) * _table(call.tables[0])
         c, s = np.cos(theta), np.sin(theta)
         bad = np.zeros(pos.shape, bool)
     else:
         bad = (pos < 0) | (pos >= call.max_position)
         idx = np.where(bad, 0, pos)
         if len(call.tables) == 2 and call.tables[0] is call.tables[1]:  # cos_sin_cache
-            cache = _f64(call.tables[0].obj)
+            cache = _table(call.tables[0])
             c, s = cache[idx, f], cache[idx, half + f]
         elif call.source == "angle_table":
-            theta = _f64(call.tables[0].obj)[idx, f]
+            theta = _table(call.tables[0])[idx, f]
             c, s = np.cos(theta), np.sin(theta)
         else:
-            c, s = _f64(call.tables[0].obj)[idx, f], _f64(call.tables[1].obj)[idx, f]
+            c, s = _table(call.tables[0])[idx, f], _table(call.tables[1])[idx, f]
     c, s = c.copy(), s.copy()
     c[bad], s[bad] = np.nan, np.nan
     return c, s

@@ -44,8 +44,9 @@ mutating operator (no new buffer) when no gradient is being recorded for the
 inputs, and otherwise compute with the functional operator and ``copy_`` the
 result back (one temporary; autograd then sees an ordinary in-place copy).
 
-CPU tensors (float32/float64) run the library's float64 NumPy reference, which
-is slow but lets the autograd and compile plumbing be exercised without a GPU.
+CPU tensors (float32, float16, bfloat16, float64) run the library's float64
+NumPy reference, which is slow but lets the autograd and compile plumbing be
+exercised without a GPU; results come back as CPU tensors of the input's dtype.
 """
 
 import functools
@@ -53,11 +54,13 @@ import inspect
 import operator
 from typing import Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from . import api
-from .validate import _as_int
+from . import api, validate
+from .interop import describe
+from .validate import _as_int, check_cu_seqlens
 
 __all__ = ["rope", "rope_", "rope_qk", "rope_qk_", "rope_qkv", "apply_rope", "apply_rope_qk",
            "apply_rope_qkv"]
@@ -88,41 +91,18 @@ def _named_params(fn) -> frozenset:
                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
-def _host(t):
-    """A NumPy view of a CPU tensor (the library's reference path), or ``t``."""
-    if isinstance(t, Tensor) and t.device.type == "cpu":
-        if t.dtype not in (torch.float32, torch.float64, torch.int32, torch.int64):
-            raise TypeError(f"cupy_rope.torch: CPU tensors run the NumPy reference, which "
-                            f"supports float32/float64 only; got {t.dtype}")
-        return t.detach().numpy()
-    return t
-
-
 def _call(fn, *args, **kw):
-    """``fn(*args, **kw)``: CPU tensors go to the NumPy reference; on the GPU make
-    sure this thread has a CUDA context (autograd runs backward ops on its own
-    worker threads, which may have none yet)."""
+    """``fn(*args, **kw)``; on the GPU make sure this thread has a CUDA context
+    (autograd runs backward ops on its own worker threads, which may have
+    none yet). CPU tensors go to the library as they are: its NumPy
+    reference reads and writes them in place, bfloat16 included."""
     x = args[0]
-    if x.device.type == "cpu":
-        args = tuple(_host(a) for a in args)
-        kw = {k: _host(v) for k, v in kw.items()}
-    else:
+    if x.device.type != "cpu":
         from cupy.cuda import driver, runtime
 
         if driver.ctxGetCurrent() == 0:
             runtime.setDevice(x.device.index if x.device.index is not None else 0)
     return fn(*args, **kw)
-
-
-def _as_new_output(r: Tensor, like_storage: Tensor, shape) -> Tensor:
-    """Library result -> a contiguous tensor that aliases no input (fake-impl contract)."""
-    if not isinstance(r, Tensor):  # NumPy result of the reference path
-        r = torch.from_numpy(r)
-    if not r.is_contiguous():
-        r = r.contiguous()
-    elif r.untyped_storage().data_ptr() == like_storage.untyped_storage().data_ptr():
-        r = r.clone()
-    return r.view(shape)
 
 
 # The operators all take, after their data tensors, the same optional tensors
@@ -276,14 +256,9 @@ def _rope_qkv_impl(a):
     q_shape, kv_shape = _qkv_shapes(qkv.shape, hq, hk, a["head_dim"], a["layout"])
     kw = _kwargs_of(_common(a))
     kw.update(num_q_heads=hq, num_kv_heads=hk, packing=packing)
-    fn = api.apply_rope_qkv
-    if {"out_q", "out_k", "out_v"} <= _named_params(fn) and qkv.device.type != "cpu":
-        outs = (qkv.new_empty(q_shape), qkv.new_empty(kv_shape), qkv.new_empty(kv_shape))
-        _call(fn, qkv, out_q=outs[0], out_k=outs[1], out_v=outs[2], **kw)
-        return outs
-    q, k, v = _call(fn, qkv, **kw)
-    return (_as_new_output(q, qkv, q_shape), _as_new_output(k, qkv, kv_shape),
-            _as_new_output(v, qkv, kv_shape))
+    outs = (qkv.new_empty(q_shape), qkv.new_empty(kv_shape), qkv.new_empty(kv_shape))
+    _call(api.apply_rope_qkv, qkv, out_q=outs[0], out_k=outs[1], out_v=outs[2], **kw)
+    return outs
 
 
 def _rope_qkv_fake(qkv, *args):
@@ -304,11 +279,7 @@ def _rope_qkv_backward_impl(a):
     for name in ("num_q_heads", "num_kv_heads"):
         if name in named:
             kw[name] = a[name]
-    if out.device.type == "cpu":
-        r = _call(fn, dq, dk, dv, **kw)
-        out.copy_(torch.from_numpy(r).view(out.shape))
-    else:
-        _call(fn, dq, dk, dv, out=out, **kw)
+    _call(fn, dq, dk, dv, out=out, **kw)
     return out
 
 
@@ -355,8 +326,8 @@ _rope_qkv_backward_op.register_autograd(_rope_qkv_backward_grad,
 
 
 # -------------------------------------------------------- public functions --
-def _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens, layout,
-             interleaved, rotary_dim, head_dim, cp_size, cp_rank) -> tuple:
+def _op_args(x, cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
+             layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank) -> tuple:
     """The common positional op arguments from the public keyword arguments,
     checked by the array API's own rules before they meet the op's schema
     (an int is an int, a bool a bool), and refusing angle tensors that ask
@@ -372,9 +343,28 @@ def _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_se
                 raise ValueError(f"{name}: requires grad, but cupy-rope gives no gradient for "
                                  "the angles (they are constants here); pass it detached, or "
                                  "rotate with torch operations where the angles must learn")
+    cp_size = options.get("cp_size", 1)
+    cu_seqlens = _cu_seqlens_tensor(cu_seqlens, x, layout, cp_size)
     return (cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens, offset,
             layout, interleaved, options.get("rotary_dim"), options.get("head_dim"),
-            options.get("cp_size", 1), options.get("cp_rank", 0))
+            cp_size, options.get("cp_rank", 0))
+
+
+def _cu_seqlens_tensor(cu_seqlens, x, layout, cp_size):
+    """cu_seqlens as the ops take them: a tensor. A NumPy array (as the array
+    API takes it) has its values checked here on the host, where a device
+    copy's could not be without a sync, and is then copied to x's device
+    without waiting (the copy is staged from pageable memory at once)."""
+    if cu_seqlens is None or isinstance(cu_seqlens, Tensor):
+        return cu_seqlens
+    if not isinstance(cu_seqlens, np.ndarray):
+        raise TypeError("cu_seqlens: expected a torch tensor or a NumPy array (int32 "
+                        f"[n_seqs + 1]), got {type(cu_seqlens).__name__}")
+    host = torch.from_numpy(np.array(cu_seqlens))  # a copy: the caller may reuse theirs
+    if not isinstance(x, Tensor) or x.device.type == "cpu" or layout != "thd":
+        return host  # checked by the library, as any host cu_seqlens
+    check_cu_seqlens(describe(host, "cu_seqlens"), x.shape[0], cp_size)
+    return host.to(x.device, non_blocking=True)
 
 
 _TABLE_ARGS = ("cos", "sin", "inv_freq", "freqs", "cos_sin_cache")
@@ -429,7 +419,7 @@ def rope(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, 
         Rotate by -theta.
     sections, sections_interleaved : optional
         M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
-        then [axes, s] / [axes, b, s] (thd: [axes, t]).
+        then [axes, s], [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
 
     Returns
     -------
@@ -456,7 +446,7 @@ def rope(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, 
     torch.Size([2, 128, 8, 64])
     >>> y.sum().backward()                   # x.grad: rotation by -theta
     """
-    args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
+    args = _op_args(x, cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
     axes = _axes_args(sections, sections_interleaved)
     return torch.ops.cupy_rope.rope(x, *args, bool(backward), *axes)
@@ -489,7 +479,7 @@ def rope_(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
         Rotate by -theta.
     sections, sections_interleaved : optional
         M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
-        then [axes, s] / [axes, b, s] (thd: [axes, t]).
+        then [axes, s], [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
 
     Returns
     -------
@@ -514,7 +504,7 @@ def rope_(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
     >>> crt.rope_(x, cos, sin) is x
     True
     """
-    args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
+    args = _op_args(x, cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
     axes = _axes_args(sections, sections_interleaved)
     if _records_grad(x):
@@ -553,7 +543,7 @@ def rope_qk(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Te
         Rotate by -theta.
     sections, sections_interleaved : optional
         M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
-        then [axes, s] / [axes, b, s] (thd: [axes, t]).
+        then [axes, s], [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
 
     Returns
     -------
@@ -578,7 +568,9 @@ def rope_qk(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Te
     >>> [t.shape for t in crt.rope_qk(q, k, cos, sin)]
     [torch.Size([2, 128, 8, 64]), torch.Size([2, 128, 2, 64])]
     """
-    args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
+    if k is None:
+        raise validate.none_input("k", alone="cupy_rope.torch.rope")
+    args = _op_args(q, cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
     axes = _axes_args(sections, sections_interleaved)
     return torch.ops.cupy_rope.rope_qk(q, k, *args, bool(backward), *axes)
@@ -611,7 +603,7 @@ def rope_qk_(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[T
         Rotate by -theta.
     sections, sections_interleaved : optional
         M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
-        then [axes, s] / [axes, b, s] (thd: [axes, t]).
+        then [axes, s], [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
 
     Returns
     -------
@@ -636,7 +628,9 @@ def rope_qk_(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[T
     >>> crt.rope_qk_(q, k, cos, sin)[0] is q
     True
     """
-    args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
+    if k is None:
+        raise validate.none_input("k", alone="cupy_rope.torch.rope_")
+    args = _op_args(q, cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
     axes = _axes_args(sections, sections_interleaved)
     if _records_grad(q, k):
@@ -705,7 +699,7 @@ def rope_qkv(qkv: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = 
     >>> q.shape, v.shape
     (torch.Size([2, 128, 8, 64]), torch.Size([2, 128, 2, 64]))
     """
-    args = _op_args(cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
+    args = _op_args(qkv, cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens,
                     layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank)
     axes = _axes_args(sections, sections_interleaved)
     return torch.ops.cupy_rope.rope_qkv(qkv, *args, int(num_q_heads), int(num_kv_heads),

@@ -181,13 +181,30 @@ def fmt_shape(shape) -> str:
     return "[" + ", ".join(str(n) for n in shape) + "]"
 
 
+def type_name(v) -> str:
+    """The full name of ``v``'s type for messages: ``numpy.bool``, not ``bool``
+    (NumPy's scalar types share the builtins' short names)."""
+    cls = type(v)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _as_int(v, name):
-    if isinstance(v, bool):
-        raise TypeError(f"{name}: expected an int, got bool")
+    if isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an int, got {type_name(v)}")
     try:
         return operator.index(v)
     except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(v).__name__}") from None
+        raise TypeError(f"{name}: expected an int, got {type_name(v)}") from None
+
+
+def _as_bool(v, name: str) -> bool:
+    """A flag given as a Python or NumPy bool, as a Python bool (so that both
+    validate to the same call and kernel)."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    raise TypeError(f"{name}: expected a bool, got {type_name(v)}")
 
 
 def _where(dev) -> str:
@@ -330,27 +347,105 @@ def describe_arrays(op: str, inputs, tables, positions=None, offsets=None, cu_se
 
     outputs = tuple(outputs) + (None,) * (len(OUTPUT_NAMES[op]) - len(outputs))
     return Arrays(
-        op, tuple(describe(a, n) for a, n in zip(inputs, INPUT_NAMES[op])),
+        op, tuple(_describe_input(a, n) for a, n in zip(inputs, INPUT_NAMES[op])),
         tuple(one(a, n) for a, n in zip(tables, TABLE_NAMES)),
         one(positions, "positions"),
-        offsets if offsets is None or _is_scalar_offset(offsets) else describe(offsets, "offsets"),
+        _describe_offsets(offsets),
         one(cu_seqlens, "cu_seqlens"),
         tuple(one(a, n) for a, n in zip(outputs, OUTPUT_NAMES[op])))
 
 
+def _describe_input(a, name: str) -> Tensor:
+    """An input array, described; None is refused."""
+    if a is None:
+        raise none_input(name)
+    return describe(a, name)
+
+
+def none_input(name: str, alone: str = "apply_rope (RotaryEmbedding.rope)") -> TypeError:
+    """The error for an input given as None; for k it names ``alone``, the
+    call that rotates q alone (the q + k calls have no q-alone form). The
+    framework adapters raise it too, naming their own call."""
+    hint = f"; to rotate q alone use {alone}" if name == "k" else ""
+    return TypeError(f"{name}: expected an array, got None{hint}")
+
+
+def host_offset(offsets) -> Optional[int]:
+    """The value of a host 0-d integer array (NumPy, CPU torch) passed as
+    ``offsets``, else None: such an array is a scalar offset, as an int is."""
+    if getattr(offsets, "ndim", None) != 0 or isinstance(offsets, np.generic):
+        return None
+    try:
+        t = describe(offsets, "offsets")
+    except (TypeError, ValueError):
+        return None
+    if t.on_gpu or not t.dtype.startswith(("int", "uint")):
+        return None
+    return int(_host_values(t))
+
+
+def _describe_offsets(offsets):
+    """``offsets`` as :func:`check` takes it: None, an int (also from a host
+    0-d integer array) or the description of an array."""
+    if offsets is None or _is_scalar_offset(offsets):
+        return offsets
+    value = host_offset(offsets)
+    if value is not None:
+        return value
+    if not isinstance(offsets, (Tensor, np.ndarray)) and not hasattr(offsets, "__dlpack__"):
+        raise TypeError(f"offsets: expected an int or an int32/int64 array, "
+                        f"got {type_name(offsets)}")
+    return describe(offsets, "offsets")
+
+
+#: The options that are flags: a Python or NumPy bool, validated as a Python bool.
+FLAGS = ("inplace", "interleaved", "backward", "sections_interleaved")
+
+
 def check_options(options: Options) -> Options:
     """The checks of options that come before any array is looked at;
-    returns ``options`` with ``head_dim`` an int."""
+    returns ``options`` with its flags Python bools and ``head_dim``,
+    ``cp_size`` and ``cp_rank`` ints."""
     layout = options.layout
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    fixed = {name: _as_bool(getattr(options, name), name) for name in FLAGS}
     if options.head_dim is not None:
-        options = options._replace(head_dim=_as_int(options.head_dim, "head_dim"))
-    for name in ("inplace", "interleaved", "backward"):
-        flag = getattr(options, name)
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        fixed["head_dim"] = _as_int(options.head_dim, "head_dim")
+    fixed["cp_size"], fixed["cp_rank"] = check_context_parallel(options.cp_size, options.cp_rank)
+    return options._replace(**fixed)
+
+
+def check_bound(tables, options: Options) -> Options:
+    """The checks a :class:`~cupy_rope.api.RotaryEmbedding` runs when built:
+    its options (:func:`check_options`), then its angle source (``tables`` in
+    TABLE_NAMES order) and what follows from it alone (rotary_dim, sections),
+    as a call checks them for an x of the tables' dtype on their device.
+    What needs x (head_dim, the table dtype against x's) waits for the call.
+    Returns the checked options."""
+    options = check_options(options)
+    described = tuple(None if t is None else describe(t, n) for t, n in zip(tables, TABLE_NAMES))
+    _source_name(described)
+    first = next(t for t in described if t is not None)
+    # An x the tables can go with: of their dtype where an input may have it.
+    like_x = _Geometry(batch=1, seqlen=1, head_dim=0, device=first.device,
+                       dtype=first.dtype if first.dtype in _floats(first.on_gpu) else "float32")
+    angles = _angle_source(described, like_x)
+    # Without head_dim the head's size is x's: no upper bound on rotary_dim yet.
+    head_dim = options.head_dim if options.head_dim is not None else MAX_INDEX
+    rotary_dim = _rotary_dim(options.rotary_dim, angles.width, head_dim, angles.name)
+    _sections(options.sections, options.sections_interleaved, rotary_dim)
     return options
+
+
+def check_context_parallel(cp_size, cp_rank) -> tuple:
+    """(cp_size, cp_rank) as ints, checked: cp_size >= 1, 0 <= cp_rank < cp_size."""
+    cp_size, cp_rank = _as_int(cp_size, "cp_size"), _as_int(cp_rank, "cp_rank")
+    if cp_size < 1:
+        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank: expected 0 <= cp_rank < cp_size ({cp_size}), got {cp_rank}")
+    return cp_size, cp_rank
 
 
 # --------------------------------------------------------------- angles ----
@@ -369,22 +464,39 @@ def _source_name(tables) -> str:
                      "(cos and sin, inv_freq, freqs, or cos_sin_cache)")
 
 
+def _angle_dtypes(dtype: str) -> tuple:
+    """(dtypes of inv_freq and freqs, dtypes of cos, sin and cos_sin_cache)
+    for input of ``dtype``, one rule on every device: tables float32 or the
+    input's dtype, inv_freq and freqs float32 (what the kernels read). float64
+    goes only with float64 input, which only the NumPy reference takes, so a
+    call the NumPy path accepts is one the GPU path accepts too."""
+    computed = ("float32", "float64") if dtype == "float64" else ("float32",)
+    return computed, ("float32",) if dtype == "float32" else ("float32", dtype)
+
+
+def _check_table_dtype(t: Tensor, name: str, allowed) -> None:
+    """An angle source's dtype, with the cast that fixes a refused one."""
+    if t.dtype in allowed:
+        return
+    cast = {"torch": ".float()", "jax": ".astype(jax.numpy.float32)"}.get(
+        t.kind, ".astype(numpy.float32)")
+    raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {t.dtype}; angle "
+                    "sources are float32 or the input's dtype (float64 only with float64 "
+                    f"input); cast it with {cast}")
+
+
 def _angle_source(tables, geometry: _Geometry) -> _Angles:
     """The checked angle source of the described ``tables`` (TABLE_NAMES order)."""
     cos, sin, inv_freq, freqs, cos_sin_cache = tables
     name = _source_name(tables)
     dtype, device = geometry.dtype, geometry.device
-    on_gpu = device[0] == "cuda"
-    f32 = ("float32",) if on_gpu else ("float32", "float64")
-    table_dtypes = ("float32", dtype) if dtype != "float32" else ("float32",)
-    if not on_gpu:
-        table_dtypes = table_dtypes + ("float64",)
+    f32, table_dtypes = _angle_dtypes(dtype)
     if name == "inv_freq":
         t = inv_freq
         if t.ndim != 1:
             raise ValueError(f"inv_freq: expected a 1-D array [rotary_dim / 2], "
                              f"got shape {fmt_shape(t.shape)}")
-        _check_dtype(t, "inv_freq", f32)
+        _check_table_dtype(t, "inv_freq", f32)
         _same_device(t, device, "inv_freq")
         return _Angles("inv_freq", (t,), (0,), t.shape[0], 0, "inv_freq")
     if name == "cos_sin_cache":
@@ -397,7 +509,7 @@ def _angle_source(tables, geometry: _Geometry) -> _Angles:
         if t.ndim != 2:
             raise ValueError(f"{n}: expected a 2-D table [max_position, rotary_dim / 2], "
                              f"got shape {fmt_shape(t.shape)}")
-        _check_dtype(t, n, allowed)
+        _check_table_dtype(t, n, allowed)
         _same_device(t, device, n)
     if source == "table":
         if cos.shape != sin.shape:
@@ -417,7 +529,7 @@ def _cos_sin_cache(t: Tensor, allowed, device) -> _Angles:
         raise ValueError("cos_sin_cache: expected a 2-D table [max_position, rotary_dim] "
                          f"(cos in the first half, sin in the second), got shape "
                          f"{fmt_shape(t.shape)}")
-    _check_dtype(t, "cos_sin_cache", allowed)
+    _check_table_dtype(t, "cos_sin_cache", allowed)
     _same_device(t, device, "cos_sin_cache")
     half = t.shape[1] // 2
     if t.shape[0] < 1:
@@ -551,7 +663,7 @@ def _positions(arrays: Arrays, options: Options, geometry: _Geometry,
             raise ValueError("positions: explicit positions are already global; cp_size/cp_rank "
                              "remap only the implied positions (leave positions out, or use "
                              "cp_size=1)")
-        _explicit_positions(pos_t, layout, geometry, n_axes)
+        pos_t = _explicit_positions(pos_t, layout, geometry, n_axes)
     elif cp_size > 1 and cu_t is None and seqlen % 2:
         raise ValueError(f"x: with cp_size={cp_size} the local sequence length must be even "
                          f"(two chunks per rank), got {seqlen}")
@@ -561,23 +673,39 @@ def _positions(arrays: Arrays, options: Options, geometry: _Geometry,
     return _Positions(mode, pos_t, off_t, offset, cu_t, n_seqs, cp_size, cp_rank)
 
 
-def _explicit_positions(pos_t: Tensor, layout: str, geometry: _Geometry, n_axes: int) -> None:
-    """positions: [s] or [b, s] (thd: [t]), with a leading [axes] for sections."""
+def _explicit_positions(pos_t: Tensor, layout: str, geometry: _Geometry, n_axes: int) -> Tensor:
+    """positions: [s], [1, s] or [b, s] (thd: [t]), with a leading [axes] for
+    sections; returned described as [s] where given as [1, s] for a larger
+    batch (Hugging Face's position_ids), so that both forms get one plan."""
     batch, seqlen = geometry.batch, geometry.seqlen
     _same_device(pos_t, geometry.device, "positions")
     _check_dtype(pos_t, "positions", INDEX_DTYPES)
     _below_max_index(pos_t, "positions")
-    want = ((seqlen,),) if layout == "thd" else ((seqlen,), (batch, seqlen))
     lead = (n_axes,) if n_axes else ()
+    if layout != "thd" and batch != 1 and pos_t.shape == lead + (1, seqlen):
+        return pos_t._replace(shape=lead + (seqlen,),
+                              strides=pos_t.strides[:len(lead)] + pos_t.strides[-1:])
+    want = ((seqlen,),) if layout == "thd" else ((seqlen,), (batch, seqlen))
     if pos_t.shape not in [lead + w for w in want]:
-        txt = (f"[{seqlen}] (one per token)" if layout == "thd" else
-               f"[{seqlen}] or [{batch}, {seqlen}] ([s] or [b, s])")
-        if n_axes:
-            txt = (f"[{n_axes}, {seqlen}] (one row per axis: len(sections) = {n_axes})"
-                   if layout == "thd" else
-                   f"[{n_axes}, {seqlen}] or [{n_axes}, {batch}, {seqlen}] (one row per "
-                   f"axis: len(sections) = {n_axes})")
-        raise ValueError(f"positions: expected shape {txt}, got {fmt_shape(pos_t.shape)}")
+        raise ValueError(f"positions: expected shape {_positions_shapes(layout, geometry, n_axes)}"
+                         f", got {fmt_shape(pos_t.shape)}")
+    return pos_t
+
+
+def _positions_shapes(layout: str, geometry: _Geometry, n_axes: int) -> str:
+    """The accepted shapes of positions, in numbers and in words (for messages)."""
+    s, b = geometry.seqlen, geometry.batch
+    lead, rows = (f"{n_axes}, ", "axes, ") if n_axes else ("", "")
+    per_axis = f"one row per axis: len(sections) = {n_axes}"
+    if layout == "thd":
+        return f"[{lead}{s}] ({per_axis if n_axes else 'one per token'})"
+    forms = [f"[{lead}{s}]"] + [f"[{lead}{n}, {s}]" for n in dict.fromkeys((1, b))]
+    words = [f"[{rows}s]"] + ([f"[{rows}1, s]"] if b != 1 else []) + [f"[{rows}b, s]"]
+
+    def listed(items):
+        return f"{', '.join(items[:-1])} or {items[-1]}"
+
+    return f"{listed(forms)} ({listed(words)}{'; ' + per_axis if n_axes else ''})"
 
 
 def _offsets(offsets, layout: str, geometry: _Geometry, cu_t, n_seqs: int):
@@ -595,6 +723,8 @@ def _offsets(offsets, layout: str, geometry: _Geometry, cu_t, n_seqs: int):
     _same_device(off_t, geometry.device, "offsets")
     _check_dtype(off_t, "offsets", INDEX_DTYPES)
     _below_max_index(off_t, "offsets")
+    if off_t.ndim == 0:
+        off_t = _broadcast_offset(off_t, layout, geometry.batch, n_seqs)
     if layout == "thd":
         if cu_t is None:
             raise ValueError("offsets: an offsets array with layout 'thd' needs "
@@ -609,6 +739,20 @@ def _offsets(offsets, layout: str, geometry: _Geometry, cu_t, n_seqs: int):
         raise ValueError(f"offsets: expected shape [{geometry.batch}] (one per batch entry) "
                          f"or an int, got {fmt_shape(off_t.shape)}")
     return off_t, 0
+
+
+def _broadcast_offset(off_t: Tensor, layout: str, batch: int, n_seqs: int) -> Tensor:
+    """A device 0-d offsets array (a host one is an int by now) as one offset
+    for every batch entry: read through stride 0, so it costs no sync. The
+    kernel reads per-sequence offsets (cu_seqlens) contiguously, so there
+    only one sequence can take it."""
+    if layout != "thd":
+        return off_t._replace(shape=(batch,), strides=(0,))
+    if n_seqs > 1:
+        raise ValueError(f"offsets: a 0-d device array is one offset for every batch entry "
+                         f"(bshd, sbhd); with cu_seqlens pass one per sequence "
+                         f"[{n_seqs}], or an int")
+    return off_t._replace(shape=(n_seqs,), strides=(0,)) if n_seqs else off_t
 
 
 def _check_position_range(call: Call, src_name: str) -> None:
@@ -876,7 +1020,8 @@ def _output_slabs(arrays: Arrays, options: Options, slabs, geometry: _Geometry, 
 
 def _activation_outputs(outputs, slabs, options: Options, geometry: _Geometry, read_only):
     """apply_rope / apply_rope_qk: new outputs (Slab.out None), the given
-    ones, or the inputs themselves (in place; also for out=x)."""
+    ones (never an input itself: in place is ``inplace=True``), or the
+    inputs themselves (in place)."""
     out_names = OUTPUT_NAMES["rope" if len(slabs) == 1 else "qk"]
     given = [o is not None for o in outputs]
     if any(given) and not all(given):
@@ -887,15 +1032,14 @@ def _activation_outputs(outputs, slabs, options: Options, geometry: _Geometry, r
             _check_out(ot, n, s.x.shape, geometry.dtype, geometry.device)
     inplace = options.inplace
     if all(given):
-        same = [_same_view(ot, s.x) for ot, s in zip(outputs, slabs)]
-        if inplace and not all(same):
+        if inplace:
             what = "out=" if len(slabs) == 1 else "outputs"
             raise ValueError(f"{out_names[0]}: pass either {what} or inplace=True, not both")
-        if all(same):
-            inplace = True
-        elif any(same):
-            raise ValueError(f"{out_names[same.index(False)]}: either every output is its input "
-                             "(in place) or none is")
+        for s, ot, n in zip(slabs, outputs, out_names):
+            if _same_view(ot, s.x):
+                names = " and ".join(sl.name for sl in slabs)
+                raise ValueError(f"{n}: is {s.name} itself; pass inplace=True to rotate "
+                                 f"{names} in place")
     others = [(s.x, s.name) for s in slabs]
     result = []
     for i, (s, ot) in enumerate(zip(slabs, outputs)):
@@ -905,9 +1049,8 @@ def _activation_outputs(outputs, slabs, options: Options, geometry: _Geometry, r
         elif ot is not None:
             for other, n in others:
                 if not disjoint(ot, other):
-                    raise ValueError(f"{out_names[i]}: overlaps {n} without being the same "
-                                     "view; pass a separate array or rotate in place "
-                                     "(inplace=True)")
+                    raise ValueError(f"{out_names[i]}: overlaps {n}; pass a separate array, "
+                                     "or rotate in place with inplace=True")
             _check_writable(ot, out_names[i], read_only +
                             [(o, out_names[j]) for j, o in enumerate(outputs) if j != i])
             st = head_view(ot, out_names[i], options.layout, options.head_dim)[4]

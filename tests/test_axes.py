@@ -121,7 +121,7 @@ BAD = [
      TypeError, "sections: expected a sequence of ints"),
     ("positions leading axis", dict(inv_freq=INV, positions=np.zeros((2, 2, 4), np.int64),
                                     sections=[2, 3, 3]),
-     ValueError, "positions: expected shape [3, 4] or [3, 2, 4] (one row per axis"),
+     ValueError, "positions: expected shape [3, 4], [3, 1, 4] or [3, 2, 4] ([axes, s], [axes, 1, s] or [axes, b, s]; one row per axis"),
     ("positions missing", dict(inv_freq=INV, sections=[2, 3, 3]),
      ValueError, "positions: sections need explicit positions"),
     ("interleaved two axes", dict(inv_freq=INV, positions=POS3[:2], sections=[4, 4],

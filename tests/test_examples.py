@@ -25,3 +25,20 @@ def test_example_runs(script):
     assert proc.returncode == 0, proc.stderr
     assert "numpy reference" in proc.stdout
     assert "partial rotary: rotary_dim 32 of 128" in proc.stdout
+
+
+def test_jax_example_without_jax_says_how_to_get_it(tmp_path):
+    """Where JAX is missing, examples/jax_jit.py says in one line how to
+    install it (the ``jax`` extra), without a traceback."""
+    fake = tmp_path / "jax"  # shadows any installed JAX: importing it fails as a missing one
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'jax'\", name='jax')\n")
+    path = os.pathsep.join(p for p in (str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH"))
+                           if p)
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "jax_jit.py")], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "this example needs JAX with CUDA: pip install 'cupy-rope[jax]'"

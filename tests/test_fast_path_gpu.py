@@ -159,13 +159,14 @@ def test_fast_path_still_refuses_overlap_and_keeps_aliases_apart(rng):
     with pytest.raises(ValueError, match="out: overlaps x"):
         cupy_rope.apply_rope(x, cos, sin, out=buf[D:].view(2, 16, 3, D))  # same signature
     assert torch.equal(buf, before)
-    # out=x (one pointer twice) is a plan of its own: in place, every call
+    # out=x (one pointer twice) is refused on every call, cached or not
     x0 = torch.randn(2, 16, 3, D, device="cuda")
     want = cupy_rope.apply_rope(x0, cos, sin)
     for _ in range(2):
         x = x0.clone()
-        assert cupy_rope.apply_rope(x, cos, sin, out=x) is x
-        assert torch.equal(x, want)
+        with pytest.raises(ValueError, match="out: is x itself"):
+            cupy_rope.apply_rope(x, cos, sin, out=x)
+        assert torch.equal(x, x0)
     # cos is sin: never the fast path (its launchers assume distinct arrays)
     y = cupy_rope.apply_rope(x0, cos, cos)
     assert torch.equal(y, cupy_rope.apply_rope(x0, cos, cos.clone()))

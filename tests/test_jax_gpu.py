@@ -428,3 +428,27 @@ def test_vmap_runs_each_element():
         assert_close(np.asarray(vf(xs, offs)), np.asarray(want), "float32", "vmap")
     g = jax.grad(lambda a: jnp.sum(jax.vmap(f)(a, offs) ** 2))(xs)
     assert_close(np.asarray(g), np.asarray(2 * xs), "float32", "grad of vmap")  # a rotation
+
+
+# ------------------------------------------ issue 30: what a new user hits --
+@pytest.mark.parametrize("jit", [False, True])
+def test_one_row_of_positions(jit):
+    """positions [1, s] (Hugging Face's position_ids) are shared by the batch;
+    [axes, 1, s] for M-RoPE."""
+    t = tables(64)
+    pos = jax.random.randint(jax.random.PRNGKey(30), (1, 16), 0, 60, jnp.int32)
+    kw = dict(cos=t["cos"], sin=t["sin"], positions=pos)
+    q, k = randn(31, (2, 16, 4, 64), "bfloat16"), randn(32, (2, 16, 2, 64), "bfloat16")
+    check(lambda q, k: crj.rope_qk(q, k, **kw),
+          lambda q, k: (ref_rope(q, **kw), ref_rope(k, **kw)), [q, k], "bfloat16",
+          "rope_qk [1, s]", jit)
+    kw = dict(inv_freq=t["inv_freq"], positions=pos, layout="sbhd")
+    x = randn(33, (16, 2, 4, 64), "float32")
+    check(lambda x: crj.rope(x, **kw), lambda x: ref_rope(x, **kw), [x], "float32",
+          "rope sbhd [1, s]", jit)
+    np.testing.assert_array_equal(np.asarray(crj.rope(x, **kw)),
+                                  np.asarray(crj.rope(x, **dict(kw, positions=pos[0]))))
+    kw = mrope_kwargs("mrope", (1, 12))
+    x = randn(34, (2, 12, 4, 64), "float32")
+    check(lambda x: crj.rope(x, **kw), lambda x: ref_rope(x, **kw), [x], "float32",
+          "rope M-RoPE [3, 1, s]", jit)

@@ -448,11 +448,12 @@ def test_plan_cache_reuses_and_revalidates(rng):
     with pytest.raises(ValueError, match="cos: the table has 40 rows"):
         cupy_rope.apply_rope(to_device(x), cos, sin, offsets=33)
     assert len(api._plans) == n
-    # a plan made for out=x (in place) is not reused for a separate out, and one
-    # made with cos is sin is not reused for separate tables
+    # out=x is refused and caches nothing; a plan made with cos is sin is not
+    # reused for separate tables
     x1 = rng.standard_normal((2, 8, 3, d)).astype(np.float32)
     a1 = to_device(x1)
-    cupy_rope.apply_rope(a1, cos, sin, out=a1)
+    with pytest.raises(ValueError, match="out: is x itself"):
+        cupy_rope.apply_rope(a1, cos, sin, out=a1)
     x2 = rng.standard_normal((2, 8, 3, d)).astype(np.float32)
     a2, y2 = to_device(x2), full_nan(x2.shape, "float32")
     assert cupy_rope.apply_rope(a2, cos, sin, out=y2) is y2

@@ -86,6 +86,26 @@ def test_notebook_runs_on_the_gpu_path(tmp_path):
         assert (tmp_path / "tour_bench.png").stat().st_size > 0
 
 
+def test_first_cell_without_cupy_says_so_in_one_line(tmp_path):
+    """Where CuPy cannot be imported (here made so, on any machine): one line
+    names the cause, no traceback, and the reference path is taken."""
+    fake = tmp_path / "cupy"  # shadows any installed CuPy
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('no CuPy here')\n")
+    first = next(c for c in load()["cells"] if c["cell_type"] == "code")
+    src = "".join(first["source"]) if isinstance(first["source"], list) else first["source"]
+    path = os.pathsep.join(p for p in (str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH"))
+                           if p)
+    env = dict(os.environ, CUPY_ROPE_TOUR_DEVICE="auto", PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, "-c", src + "\nprint('TOUR_PATH=' + TOUR_PATH)"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    said = [line for line in proc.stdout.splitlines() if "CUDA device" in line]
+    assert said == ["no CUDA device found (CuPy is not installed)"], proc.stdout
+    assert "TOUR_PATH=reference" in proc.stdout
+
+
 def test_first_cell_without_a_gpu_says_so_in_one_line(tmp_path):
     """auto on a machine without a usable GPU (no CuPy, no driver or no device):
     one line says so, no traceback, and the reference path is taken."""

@@ -669,3 +669,76 @@ def test_mrope_cuda_graph_capture_and_replay():
                 cupy_rope.apply_rope(np64(new[3]), backward=True, **hk))
         for i, (o, w) in enumerate(zip(outs, want)):
             assert_close(o.cpu().numpy(), w, "float32", f"mrope replay {i}")
+
+
+# ------------------------------------------ issue 30: what a new user hits --
+def _only_plan(fn):
+    """The one general-path plan that ``fn()`` caches (from empty caches)."""
+    from cupy_rope import api
+
+    api.clear_plans()
+    fn()
+    (prepared,) = api._plans.values()
+    return prepared.plan
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_hf_position_ids_one_row(layout):
+    """positions [1, s] (Hugging Face's position_ids) are shared by the batch:
+    values and gradients, the in-place ops, the bound decode step, M-RoPE's
+    [axes, 1, s], and the plan of [s] (same kernel, same parameters)."""
+    from cupy_rope import launch
+
+    t = tables(64)
+    shape = (2, 12, 4, 64) if layout == "bshd" else (12, 2, 4, 64)
+    pos = torch.randint(0, 60, (1, 12), device=DEV)
+    kw = dict(cos=t["cos"], sin=t["sin"], positions=pos, layout=layout)
+    q, k = randn(shape, "bfloat16"), randn(shape[:2] + (2, 64), "bfloat16")
+    grads_vs_ref(lambda q, k: crt.rope_qk(q, k, **kw),
+                 lambda q, k: (ref_rope(q, **kw), ref_rope(k, **kw)), [q, k], "bfloat16",
+                 f"rope_qk [1, s] {layout}")
+    with torch.no_grad():
+        one = crt.rope_qk(q, k, **kw)
+        row = crt.rope_qk(q, k, **dict(kw, positions=pos[0]))
+        assert torch.equal(one[0], row[0]) and torch.equal(one[1], row[1])
+        qq, kk = q.detach().clone(), k.detach().clone()
+        crt.rope_qk_(qq, kk, **kw)
+        assert torch.equal(qq, one[0]) and torch.equal(kk, one[1])
+        rope = cupy_rope.RotaryEmbedding(t["cos"], t["sin"], layout=layout)
+        for _ in range(2):  # the second call takes the bound launcher
+            qq, kk = q.detach().clone(), k.detach().clone()
+            rope.qk_(qq, kk, pos)
+            assert torch.equal(qq, one[0]) and torch.equal(kk, one[1])
+        plans = [_only_plan(lambda p=p: cupy_rope.apply_rope_qk(q.detach(), k.detach(),
+                                                               **dict(kw, positions=p)))
+                 for p in (pos, pos[0])]
+    assert plans[0].spec == plans[1].spec
+    assert launch.unpack_fixed(plans[0]) == launch.unpack_fixed(plans[1])
+    assert plans[0].dims == plans[1].dims
+    # M-RoPE: [axes, 1, s] as [axes, s]
+    mk = mrope_kwargs("mrope", (1, 12))
+    x = randn((2, 12, 4, 64), "float32")
+    with torch.no_grad():
+        rows = dict(mk, positions=mk["positions"][:, 0])
+        assert torch.equal(crt.rope(x, **mk), crt.rope(x, **rows))
+    hk = np_kwargs(mk)
+    vs_numpy(lambda x: crt.rope(x, **mk), lambda x: cupy_rope.apply_rope(x, **hk),
+             lambda g: cupy_rope.apply_rope(g, backward=True, **hk), [x], "float32",
+             "rope M-RoPE [3, 1, s]")
+
+
+def test_numpy_cu_seqlens():
+    """cupy_rope.torch takes host NumPy cu_seqlens as the array API does: checked
+    on the host, then copied to the device without a sync; the same results."""
+    t = tables(64)
+    cu = np.array([0, 5, 12, 30], np.int32)
+    kw = dict(inv_freq=t["inv_freq"], layout="thd")
+    x = randn((30, 4, 64), "float32")
+    got = crt.rope(x, cu_seqlens=cu, **kw)
+    want = crt.rope(x, cu_seqlens=torch.from_numpy(cu).to(DEV), **kw)
+    assert torch.equal(got, want)
+    (g,) = torch.autograd.grad(got, x, torch.ones_like(got))
+    (gw,) = torch.autograd.grad(want, x, torch.ones_like(want))
+    assert torch.equal(g, gw)
+    with pytest.raises(ValueError, match="cu_seqlens: the last entry must be 30"):
+        crt.rope(x, cu_seqlens=np.array([0, 5, 12, 31], np.int32), **kw)

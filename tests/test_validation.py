@@ -51,7 +51,7 @@ CASES = [
      ValueError, "sin: expected the shape of cos"),
     ("positions shape",
      lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, positions=np.zeros((4, 2), np.int32)),
-     ValueError, "positions: expected shape [4] or [2, 4]"),
+     ValueError, "positions: expected shape [4], [1, 4] or [2, 4]"),
     ("positions dtype",
      lambda: cupy_rope.apply_rope(_x(), inv_freq=INV, positions=np.zeros(4, np.float32)),
      TypeError, "positions: expected dtype int32 or int64"),
@@ -196,11 +196,12 @@ def test_out_overlapping_a_table_is_rejected():
         cupy_rope.apply_rope(_x(), cos, SIN, out=out)
 
 
-def test_out_that_is_x_means_in_place():
+def test_out_that_is_x_is_refused():
     x = _x()
-    expected = cupy_rope.apply_rope(x, inv_freq=INV)
-    assert cupy_rope.apply_rope(x, inv_freq=INV, out=x) is x
-    np.testing.assert_allclose(x, expected, rtol=1e-6)
+    before = x.copy()
+    with pytest.raises(ValueError, match="out: is x itself; pass inplace=True"):
+        cupy_rope.apply_rope(x, inv_freq=INV, out=x)
+    np.testing.assert_array_equal(x, before)
 
 
 def test_inputs_unchanged_after_errors():
