@@ -177,8 +177,8 @@ def clear_plans() -> None:
     -------
     None
 
-    Example
-    -------
+    Examples
+    --------
     >>> import cupy_rope
     >>> cupy_rope.api.clear_plans()
     """
@@ -334,8 +334,8 @@ sections_interleaved
         For a flag that is not a bool (Python or NumPy) or a count that is
         not an int.
 
-    Example
-    -------
+    Examples
+    --------
     >>> option_kwargs({}, layout="thd", rotary_dim=64)
     {'layout': 'thd', 'rotary_dim': 64}
     """
@@ -556,8 +556,8 @@ def written(arrays: tuple) -> None:
         torch tensors get their version counter bumped; other arrays keep
         no record.
 
-    Example
-    -------
+    Examples
+    --------
     >>> written((q, k))                                       # doctest: +SKIP
     """
     f = _VERSION_BUMPS.get(type(arrays[0]))
@@ -712,8 +712,8 @@ def apply_rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, cos_sin_cach
         Positions the host cannot see are not checked: outside the table
         they give NaN, never an out-of-bounds read [Errors].
 
-    Example
-    -------
+    Examples
+    --------
     >>> import numpy as np, cupy_rope
     >>> x = np.zeros((2, 16, 8, 64), np.float32)            # [b, s, h, d]
     >>> inv_freq = 1.0 / 10000 ** (np.arange(0, 64, 2) / 64)
@@ -758,8 +758,8 @@ head_dim, sections, sections_interleaved
     ValueError, TypeError
         For bad input, naming the argument.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import numpy as np, cupy_rope
     >>> inv_freq = np.linspace(0.01, 1, 32).astype(np.float32)
     >>> dy = np.ones((2, 16, 8, 64), np.float32)             # [b, s, h, d]
@@ -810,8 +810,8 @@ head_dim, sections, sections_interleaved
         For bad input, naming the argument (``k`` overlapping ``q`` in
         place, among others).
 
-    Example
-    -------
+    Examples
+    --------
     >>> import numpy as np, cupy_rope
     >>> q = np.zeros((64, 32, 128), np.float32)              # [t, hq, d]
     >>> k = np.zeros((64, 8, 128), np.float32)               # [t, hk, d]
@@ -866,8 +866,8 @@ sections_interleaved
     ValueError, TypeError
         For bad input, naming the argument.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import numpy as np, cupy_rope
     >>> qkv = np.zeros((2, 16, (32 + 2 * 8) * 128), np.float32)  # [b, s, (hq + 2 hk) * d]
     >>> inv_freq = np.linspace(0.01, 1, 64).astype(np.float32)
@@ -919,8 +919,8 @@ sections_interleaved
     ValueError, TypeError
         For bad input, naming the argument.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import numpy as np, cupy_rope
     >>> dq = np.zeros((2, 16, 32, 128), np.float32)
     >>> dk = dv = np.zeros((2, 16, 8, 128), np.float32)
@@ -977,8 +977,8 @@ sections_interleaved
     Copies (``copy.copy``, ``copy.deepcopy``, pickling) are made again
     through the constructor, with their own tables' pointers.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import numpy as np, cupy_rope
     >>> cache = np.zeros((4096, 128), np.float32)            # [max_position, r]
     >>> rope = cupy_rope.RotaryEmbedding(cos_sin_cache=cache, layout="thd")
@@ -1047,8 +1047,8 @@ sections_interleaved
             As :func:`apply_rope`; also when a bound table changed its shape,
             strides, dtype or memory since it was bound.
 
-        Example
-        -------
+        Examples
+        --------
         >>> y = rope(x, positions)                                # doctest: +SKIP
         """
         return _execute("rope", (x,), self._tables, (positions, cu_seqlens, out),
@@ -1075,8 +1075,8 @@ sections_interleaved
         ValueError, TypeError
             As :meth:`rope`.
 
-        Example
-        -------
+        Examples
+        --------
         >>> q_rot, k_rot = rope.qk(q, k, positions)               # doctest: +SKIP
         """
         return _execute("qk", (q, k), self._tables, (positions, cu_seqlens, out_q, out_k),
@@ -1107,8 +1107,8 @@ sections_interleaved
         ValueError, TypeError
             As :meth:`rope` (k overlapping q among others).
 
-        Example
-        -------
+        Examples
+        --------
         >>> q, k = rope.qk_(q, k, positions)                      # doctest: +SKIP
         """
         fast = self._fast
@@ -1160,8 +1160,8 @@ out_k, out_v, backward, cu_seqlens
         ValueError, TypeError
             As :meth:`rope`.
 
-        Example
-        -------
+        Examples
+        --------
         >>> q, k, v = rope.qkv(qkv, num_q_heads=32, num_kv_heads=8)  # doctest: +SKIP
         """
         return _execute(
@@ -1187,8 +1187,8 @@ out_k, out_v, backward, cu_seqlens
         ValueError, TypeError
             As :meth:`rope`.
 
-        Example
-        -------
+        Examples
+        --------
         >>> dqkv = rope.qkv_backward(dq, dk, dv)                  # doctest: +SKIP
         """
         return _execute(

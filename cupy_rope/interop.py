@@ -562,8 +562,8 @@ def require_cuda(what: str):
     NoCudaDeviceError
         (a ``RuntimeError``) where CuPy is missing or sees no CUDA device.
 
-    Example
-    -------
+    Examples
+    --------
     >>> cupy = require_cuda("my_gpu_step")                    # doctest: +SKIP
     """
     try:

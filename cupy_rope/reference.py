@@ -255,7 +255,7 @@ def cos_sin_of(call: Call, pos: np.ndarray):
         if len(call.tables) == 2 and call.tables[0] is call.tables[1]:  # cos_sin_cache
             cache = _table(call.tables[0])
             c, s = cache[idx, f], cache[idx, half + f]
-        elif call.source == "angle_table":
+        elif call.source == "freqs":
             theta = _table(call.tables[0])[idx, f]
             c, s = np.cos(theta), np.sin(theta)
         else:

@@ -34,15 +34,23 @@ CXX_TYPES = {
     "bfloat16": "rope::bf16",
 }
 
-ANGLE_SOURCES = {"table": 0, "inv_freq": 1, "angle_table": 2}
+#: Angle sources (kernels/angles.cuh AngleSource): cos/sin tables, inv_freq,
+#: or a table of angles (the ``freqs`` argument).
+ANGLE_SOURCES = {"table": 0, "inv_freq": 1, "freqs": 2}
 
-
+#: Position rules (kernels/positions.cuh PosMode).
 POS_MODES = {"implied": 0, "explicit": 1, "varlen": 2, "axes": 3}
+
+#: The kernels (``Spec.mapping``) and their source files: rope_kernel,
+#: packet_kernel and flat_kernel (docs/architecture.md).
+KERNEL_FILES = {"flat": "flat.cu", "packet": "packet.cu", "rope": "rope.cu"}
+KERNELS = tuple(KERNEL_FILES)
 
 
 @dataclass(frozen=True)
 class Spec:
-    """Compile-time choices of one ``rope_kernel`` instantiation."""
+    """Compile-time choices of one kernel instantiation (rope_kernel,
+    packet_kernel or flat_kernel)."""
 
     dtype: str  # x and out: float32 | float16 | bfloat16
     angle_dtype: str  # cos/sin tables, angles or inv_freq
@@ -57,14 +65,12 @@ class Spec:
     copy_tail: bool  # out of place: copy channels [rotary_dim, head_dim)
     unroll: int  # heads a thread loads before its first store
     pos_mode: str  # key of POS_MODES: implied | explicit | varlen | axes
-    # Which kernel: "heads" (rope_kernel, kernels/rope.cu: a thread walks
-    # several heads; any rotary_dim, layout and position rule), "packets"
-    # (packet_kernel, kernels/packet.cu: a thread rotates two 16-byte
-    # packets, GPT-J fp32 one; full rotary on 16-byte aligned views) or
-    # "flat" (flat_kernel, kernels/flat.cu: one 16-byte packet per thread
-    # over dense slabs in memory order, implied positions or explicit ones
-    # indexed by the sequence index alone, cos/sin tables).
-    mapping: str = "heads"
+    # Which kernel (a key of KERNEL_FILES): "rope" (rope_kernel: a thread
+    # walks several heads; any call), "packet" (packet_kernel: a thread
+    # rotates one unit of 16-byte packets; full rotary, aligned views) or
+    # "flat" (flat_kernel: one 16-byte packet per thread over dense slabs in
+    # memory order; cos/sin tables, positions that follow the sequence index).
+    mapping: str = "rope"
     # flat_kernel, NeoX: the two lanes of a rotation pair each read half of
     # the angles they share and swap halves (for blocks whose rows lie at
     # several positions).
@@ -72,8 +78,8 @@ class Spec:
     # flat_kernel, NeoX out of place: a thread loads its rotation partner
     # itself (rows need not tile a warp).
     partner_load: bool = False
-    # flat_kernel: the call's slab count (x alone: 1; q and k: 2), or 0 for
-    # a kernel that takes any count and picks each block's slab at run time.
+    # flat_kernel: the call's slab count (x alone: 1; q and k: 2); 0 for the
+    # other kernels, which pick each block's slab at run time.
     slabs: int = 0
     # flat_kernel, 16-bit rows that would ask for their table rows once x has
     # arrived (kernels/flat.cu LATE_TABLES): ask early instead (large calls).
@@ -84,7 +90,7 @@ class Spec:
 
     @property
     def source_file(self) -> str:
-        return {"heads": "rope.cu", "packets": "packet.cu", "flat": "flat.cu"}[self.mapping]
+        return KERNEL_FILES[self.mapping]
 
     @property
     def vec(self) -> int:
@@ -101,15 +107,15 @@ class Spec:
     @property
     def table_freqs(self) -> int:
         """Frequencies a thread reads from a table row at once (packet_kernel
-        FREQS, rope_kernel PAIRS): the run the tables must be aligned for."""
-        if self.mapping == "packets" and self.interleaved:
+        UNIT_FREQS, rope_kernel PAIRS): the run the tables must be aligned for."""
+        if self.mapping == "packet" and self.interleaved:
             return self.pairs * self.unit_packets
         return self.pairs
 
     @property
     def rot_items(self) -> int:
         """Threads per head for the rotated channels (packet_kernel: per head)."""
-        if self.mapping == "packets" and self.interleaved:
+        if self.mapping == "packet" and self.interleaved:
             return self.rotary_dim // (self.vec * self.unit_packets)
         return self.rotary_dim // 2 // self.pairs
 
@@ -125,7 +131,7 @@ class Spec:
                 str(self.rotary_dim), b(self.interleaved), b(self.split_angles),
                 b(self.partner_load), str(self.slabs), str(POS_MODES[self.pos_mode]),
                 b(self.early_tables), b(self.x_evict_last)]) + ">"
-        if self.mapping == "packets":
+        if self.mapping == "packet":
             return "rope::packet_kernel<" + ", ".join([
                 CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),
                 b(self.interleaved), str(ANGLE_SOURCES[self.source]), str(self.vec),

@@ -111,7 +111,7 @@ class Call(NamedTuple):
     slabs: tuple
     dtype: str
     device: tuple
-    source: str  # "table" | "inv_freq" | "angle_table"
+    source: str  # "table" | "inv_freq" | "freqs"
     tables: tuple  # (cos, sin) | (inv_freq,) | (freqs,); cos/sin may share one array
     table_offsets: tuple  # element offset of each table from its array's pointer
     max_position: int  # rows of the table; 0 for inv_freq
@@ -480,9 +480,10 @@ def _check_table_dtype(t: Tensor, name: str, allowed) -> None:
         return
     cast = {"torch": ".float()", "jax": ".astype(jax.numpy.float32)"}.get(
         t.kind, ".astype(numpy.float32)")
-    raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {t.dtype}; angle "
-                    "sources are float32 or the input's dtype (float64 only with float64 "
-                    f"input); cast it with {cast}")
+    rule = ("inv_freq and freqs are float32" if name in ("inv_freq", "freqs")
+            else "cos, sin and cos_sin_cache are float32 or the input's dtype")
+    raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {t.dtype}; {rule} "
+                    f"(float64 only with float64 input); cast it with {cast}")
 
 
 def _angle_source(tables, geometry: _Geometry) -> _Angles:
@@ -502,7 +503,7 @@ def _angle_source(tables, geometry: _Geometry) -> _Angles:
     if name == "cos_sin_cache":
         return _cos_sin_cache(cos_sin_cache, table_dtypes, device)
     if name == "freqs":
-        source, found, names, allowed = "angle_table", (freqs,), ("freqs",), f32
+        source, found, names, allowed = "freqs", (freqs,), ("freqs",), f32
     else:
         source, found, names, allowed = "table", (cos, sin), ("cos", "sin"), table_dtypes
     for t, n in zip(found, names):

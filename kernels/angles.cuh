@@ -11,7 +11,7 @@ namespace rope {
 enum AngleSource : int {
   TABLE = 0,        // cos/sin looked up in [max_position, rotary_dim/2] tables
   INV_FREQ = 1,     // theta = p * inv_freq[f] reduced (fp32; fp64 past 2^24), then sincosf
-  ANGLE_TABLE = 2,  // theta looked up in [max_position, rotary_dim/2], then sincosf
+  FREQS = 2,        // theta looked up in a freqs table [max_position, rotary_dim/2], then sincosf
 };
 
 // The rotation of a channel pair (a, b) by an angle with cosine c and sine
@@ -88,7 +88,7 @@ __device__ __forceinline__ bool fp32_exact(i64 pos) {
 // below 1e-32, so k * that stays below 1e-16 for |k| < 2^53: the result is
 // within a few fp64 ulps of the reduced angle before its rounding to fp32.
 // Out of line and behind a branch the common path skips, so that the fp32
-// path keeps its registers and schedule (results/h100-2026-11-24q/).
+// path keeps its registers and schedule.
 __device__ __noinline__ float reduced_angle_wide(i64 pos, float f) {
   constexpr double D1 = 6.283185307179586232;      // fl64(2 pi)
   constexpr double D2 = 2.4492935982947064e-16;    // fl64(2 pi - D1)
@@ -134,7 +134,7 @@ __device__ __forceinline__ void angles(const Params& p, i64 pos, bool valid, int
     // The fp32 reduction for every position, redone in fp64 in the rare
     // thread whose position is not exact in fp32: written as a patch-up
     // after the common path, rope_kernel keeps its speed (a branch between
-    // the two paths cost varlen thd 1%; results/h100-2026-11-24q/).
+    // the two paths cost varlen calls).
     float r[PAIRS];
     const float fpos = static_cast<float>(pos);
 #pragma unroll

@@ -79,9 +79,8 @@ __device__ __forceinline__ Packet<T, N> load_raw(const T* p, i64 stride) {
 // Load for data that other threads and blocks read again (cos/sin and
 // inv_freq rows): contiguous packets go as 4/8/16-byte loads with an L2
 // evict-last policy, so that the streamed q/k data passing through L2 does
-// not push the reused rows out before their next reader (bshd [4, 4096, 32,
-// 128] bf16 with fp32 tables on the H100: 0.954 -> 0.977 of copy;
-// docs/perf-notes.md). Other packets load as load_raw does.
+// not push the reused rows out before their next reader. Other packets load
+// as load_raw does.
 template <typename T, int N, bool STRIDED = false>
 __device__ __forceinline__ Packet<T, N> load_reused(const T* p, i64 stride) {
 #if __CUDA_ARCH__ >= 800
@@ -135,9 +134,8 @@ __device__ __forceinline__ void to_floats(const Packet<T, N>& pk, float (&out)[N
 // bfloat16 pairs straight from 32-bit words: the first element is the word
 // shifted up, the second the word with its low half cleared. (Element by
 // element, the compiler extracts every 16-bit value into a register of its
-// own first: bf16 NeoX packet_kernel took 48 registers, 5 blocks per SM,
-// against fp16's 39 and 6 blocks, and ran 1-6% slower depending on where
-// the tables sat in memory; docs/perf-notes.md.)
+// own first, and bf16 kernels then took more registers than fp16 ones and
+// ran slower.)
 template <int N>
 __device__ __forceinline__ void to_floats(const Packet<bf16, N>& pk, float (&out)[N]) {
   if constexpr (N % 2 == 0) {

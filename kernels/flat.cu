@@ -11,38 +11,28 @@
 // The launcher (cupy_rope/launch.py `flat_geometry`) picks this kernel when
 // every slab's x, and its output, are dense arrays of head rows with the
 // same strides (bshd, sbhd, thd, or any permutation of the token and head
-// axes, such as a [b, h, s, d] tensor seen as bshd), full rotary (or partial
-// rotary in place), a cos/sin table and implied positions, or explicit ones
-// that follow the sequence index alone (thd [t]; [s] or [1, s]). Then head
-// row r of a slab sits at r * HEAD_DIM elements from its first one, its
-// sequence index is
+// axes), full rotary (or partial rotary in place), a cos/sin table and
+// implied positions, or explicit ones that follow the sequence index alone.
+// Then head row r of a slab sits at r * HEAD_DIM elements from its first
+// one, its sequence index is
 //   i = (r / rows_per_step) % seq_len
 // where rows_per_step is the number of head rows between consecutive
-// sequence indices (the product of the axes stored inside the sequence axis)
-// and the modulo is skipped when no axis is stored outside it, and its
-// position is i + offset (IMPLIED) or positions[i * pos_stride] + offset
-// (EXPLICIT).
+// sequence indices (the modulo is skipped when no axis is stored outside
+// the sequence axis), and its position is i + offset (IMPLIED) or
+// positions[i * pos_stride] + offset (EXPLICIT).
 //
-// Why a third kernel: at the copy rate an SM has a few hundred instruction
-// slots per 16-byte packet (docs/perf-notes.md), and packet_kernel's general
-// prologue (strided views, grouped heads, token decomposition) is most of
-// it. Here a thread's work is the flat index, one compile-time division, two
-// multiply-shift divisions, one load, one shuffle, one table row and one
-// store, in 32 registers or fewer: 2048 threads per SM. With full rotary
-// every warp load and store covers contiguous memory (32 packets: 512
-// bytes), the access pattern of a plain copy (partial rotary: the rotated
-// runs of consecutive rows). (bf16 on the H100, of a same-run copy, against
-// packet_kernel: bshd [1, 4096, 128, 128] 0.989 -> 1.000, sbhd [512, 32,
-// 24, 128] 0.981 -> 0.996, q + k prefill 0.990 -> 0.997, d80 q + k 0.978
-// -> 0.988; docs/perf-notes.md v11.)
+// Why a third kernel: at the copy rate an SM has only a few instruction
+// slots per 16-byte packet, and packet_kernel's general prologue is most of
+// them. Here a thread finds its packet with a few integer operations, in 32
+// registers or fewer, and every warp access covers contiguous memory, as a
+// plain copy does (docs/performance.md, "flat_kernel").
 #include "angles.cuh"
 
 namespace rope {
 
 // Threads per block (cupy_rope/launch.py FLAT_THREADS), and the blocks per
-// SM asked of the compiler: all the threads an SM holds (2048 on sm_80,
-// sm_90 and sm_100: 32 registers each; 39 unbounded gave 6 blocks of 256
-// and 0.94-0.97 of copy on the H100).
+// SM asked of the compiler: all the threads an SM holds, which caps a
+// thread at 32 registers on sm_80 and newer.
 constexpr int FLAT_THREADS = 128;
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 750)
 constexpr int SM_MAX_THREADS = 1024;
@@ -55,16 +45,9 @@ constexpr int SM_MAX_THREADS = 2048;
 constexpr int FLAT_MIN_BLOCKS = SM_MAX_THREADS / FLAT_THREADS;
 
 // This block's slab (block-uniform) and its data pointers, picked with
-// compile-time indices. SLABS: the call's slab count (cupy_rope/launch.py
-// FLAT_EXACT_SLABS: x alone 1, q and k 2), or 0 for any count up to
-// MAX_SLABS (p.n_slabs). With one slab nothing is picked: the x address then
-// waits for no comparison of blockIdx against the slabs' first blocks and
-// no branch on them. (bf16 on the H100, of a same-run copy, one process:
-// sbhd [512, 32, 24, 128] 0.988 -> 0.996, [512, 8, 128, 128] 0.991 ->
-// 0.999, rotary 0.5 in place 0.961 -> 0.972, the other flat rows within
-// 0.6%; a run-time branch on n_slabs == 1 in front of the pick gained less
-// (sbhd [512, 8, 128, 128] 0.983 -> 0.989, 24 heads nothing);
-// docs/perf-notes.md v18.)
+// compile-time indices. SLABS is the call's slab count (x alone 1, q and k
+// 2): with one slab nothing is picked, so the x address waits for no
+// comparison of blockIdx against the slabs' first blocks.
 struct FlatBlock {
   const void* x;
   void* out;
@@ -76,59 +59,37 @@ __device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
   const int k = block_slab_index<SLABS>(p);
   FlatBlock f;
 #pragma unroll
-  for (int i = 0; i < slab_bound(SLABS); ++i)
+  for (int i = 0; i < SLABS; ++i)
     if (i == k) f = FlatBlock{p.x_data[i], p.out_data[i], p.slab[i]};
   return f;
 }
 
 // SPLIT_ANGLES (NeoX): the two lanes of a rotation pair, which need the same
 // cos/sin, each read half of them and swap halves by shuffle. The launcher
-// sets it when a block's rows lie at several positions, so that most table
-// reads go to L2 (a [b, h, s, d] tensor seen as bshd: 0.987 -> 0.996 of copy;
-// with one position per block it costs 0.3%).
+// sets it when a block's rows lie at several positions, so that fewer table
+// reads go to L2.
 //
 // LATE_TABLES (16-bit x; GPT-J, or NeoX rows that tile a warp without split
 // angles): a thread asks for its cos/sin rows only once its x packet has
 // arrived: the table addresses take the packet's first word ANDed with
 // p.zero (0 at run time, unknown to the compiler), so the loads wait for it.
-// Those rows mostly come from L1 (a block's rows lie at one position or a
-// few); asked for alongside x they made the bf16 rows slower (of a same-run
-// copy on the H100, one process: sbhd [4096, 1, 128, 128] 0.996 -> 1.002,
-// q + k prefill 0.998 -> 1.003, bshd 0.996 -> 1.001, GPT-J 0.995 -> 0.999;
-// sbhd [512, 32, 24, 128] moved -0.6% to +0.6% over the session's runs;
-// docs/perf-notes.md v17). GPT-J on a [b, h, s, d] tensor seen as bshd,
-// whose rows come from L2, ran the same either way (0.998 / 0.999). Late
-// rows cost NeoX with split angles (that view) 1.3-1.6%, d80 NeoX (rows of
-// 10 packets, 2 idle lanes a warp) 0.5-1.8% and partner loads 0.7-1.9%, and
-// moved fp32 by -0.3% to +0.7%: those ask for them early.
+// Those rows mostly come from L1, and asked for alongside x they slowed the
+// x stream; the other rows ask early (docs/performance.md, "late tables").
 //
-// EARLY_TABLES: those rows ask early after all (the launcher sets it for
-// calls with implied positions that walk 512 MiB of x or more,
-// launch.FLAT_EARLY_TABLES_BYTES). On such sbhd tensors the late rows
-// cost 0.4-4% (bf16 on the H100, of a same-run copy: [256, 8192, 1, 128]
-// 0.970 late, 1.010 early; [32768, 1, 128, 128] 0.969 / 0.997; [16384,
-// 1, 128, 128] 0.990 / 1.006; [8192, 256, 1, 128] 1.006 / 1.010; bshd
-// [1, 131072, 32, 128] 0.958 / 0.974), while bshd [8 or 16, 8192, 32, 128]
-// moved by 0.2% and every tensor of 256 MiB or less ran as fast or faster
-// late (docs/perf-notes.md v20).
+// EARLY_TABLES: those rows ask early after all; the launcher sets it for
+// calls with implied positions that walk many bytes of x (LaunchPolicy
+// flat_early_tables_bytes), where late rows lost.
 //
 // PARTNER_LOAD (NeoX, out of place only): a thread loads its rotation
 // partner itself (the packet HALF away, which its own thread loads too: an
 // L1 hit) instead of taking it from another lane, so rows need not tile a
 // warp (d96 bf16: 12 packets; fp32 d80 / d96 / d256). In place the partner
 // could already have been overwritten: the launcher never sets it there.
-// (d96 bf16 q + k on the H100: 0.984-0.990 of copy, against 0.979 with 8
-// idle lanes per warp and packet_kernel's 0.977-0.987; for rows that tile a
-// warp it is no faster than the shuffle.)
 //
 // X_EVICT_LAST (fp32 out of place, full rotary, rows whose positions never
-// decrease through memory: launch.FLAT_X_EVICT_LAST): x is loaded with an L2
-// evict-last policy, as torch.compile's kernel loads it. fp32 on the H100,
-// of a same-run copy: sbhd [128, 8192, 1, 128] 1.006 -> 1.013, [256, 32, 32,
-// 128] 0.996 -> 1.011, [4096, 4, 16, 128] 0.997 -> 1.010, bshd [1, 32768, 8,
-// 128] 0.942 -> 0.955; with a batch axis stored outside the sequence (bshd
-// [8, 4096, 8, 128]) it lost 4%, and 16-bit rows lost 0.5-4.3% (one of 17
-// gained 0.6%; docs/perf-notes.md v20).
+// decrease through memory): x is loaded with an L2 evict-last policy, as
+// torch.compile's kernel loads it; it lost where a batch axis lies outside
+// the sequence and on 16-bit rows (docs/performance.md, "evict-last x").
 //
 // POS_MODE: IMPLIED, the row's sequence index; EXPLICIT, the entry of
 // `positions` at that index (positions that depend on the sequence index
@@ -137,7 +98,7 @@ template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERL
           bool SPLIT_ANGLES, bool PARTNER_LOAD, int SLABS, int POS_MODE, bool EARLY_TABLES,
           bool X_EVICT_LAST>
 __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(const FlatParams p) {
-  static_assert(SLABS >= 0 && SLABS <= MAX_SLABS, "a slab count, or 0 for any");
+  static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
   static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per packet
   // Packets a thread walks per head row: the rotated channels. With
@@ -158,7 +119,7 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   constexpr int LANES = SHUFFLE ? (32 / PACKETS) * PACKETS : 32;
   // Frequencies of a packet: NeoX, VEC (its partner uses the same ones);
   // GPT-J, the packet's VEC / 2 pairs.
-  constexpr int FREQS = INTERLEAVED ? VEC / 2 : VEC;
+  constexpr int PACKET_FREQS = INTERLEAVED ? VEC / 2 : VEC;
 
   const FlatBlock blk = flat_block<SLABS>(p);
   const FlatSlab& sl = blk.s;
@@ -178,8 +139,8 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   const i64 first = static_cast<i64>(row) * HEAD_DIM + pk * VEC;
   const T* x = static_cast<const T*>(blk.x) + first;
   T* out = static_cast<T*>(blk.out) + first;
-  // A plain load, also out of place: through the non-coherent path (which
-  // packet_kernel takes) this kernel lost 2-4% on bf16 bshd, sbhd and d80.
+  // A plain load, also out of place: the non-coherent path (which
+  // packet_kernel takes) was slower here.
   Packet<T, VEC> raw{}, partner{};
   if (live) raw = X_EVICT_LAST ? load_reused<T, VEC>(x, 1) : load_raw<T, VEC>(x, 1);
   const bool first_half = INTERLEAVED || pk < HALF;
@@ -208,20 +169,20 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   // partner exchange, which waits for x, so that both loads are in flight
   // together. NeoX: the partner is the lane HALF away, in the same row.
   const int partner_lane = static_cast<int>(lane) + (first_half ? HALF : -HALF);
-  int f0 = INTERLEAVED ? pk * FREQS : (first_half ? pk : pk - HALF) * VEC;
+  int f0 = INTERLEAVED ? pk * PACKET_FREQS : (first_half ? pk : pk - HALF) * VEC;
   if constexpr (LATE_TABLES) {
     unsigned first_word;
     memcpy(&first_word, &raw, 4);
     f0 += static_cast<int>(first_word & p.zero);
   }
-  float c[FREQS], s[FREQS], v[VEC];
+  float c[PACKET_FREQS], s[PACKET_FREQS], v[VEC];
   if constexpr (!SPLIT_ANGLES) {
-    load_row<AngleT, FREQS, false>(p.cos, pos * p.cos_stride_row + f0, 1, c);
-    load_row<AngleT, FREQS, false>(p.sin, pos * p.sin_stride_row + f0, 1, s);
+    load_row<AngleT, PACKET_FREQS, false>(p.cos, pos * p.cos_stride_row + f0, 1, c);
+    load_row<AngleT, PACKET_FREQS, false>(p.sin, pos * p.sin_stride_row + f0, 1, s);
   } else {
-    // Frequencies [f0, f0 + FREQS / 2) read by the first-half lane, the rest
+    // Frequencies [f0, f0 + PACKET_FREQS / 2) read by the first-half lane, the rest
     // by its partner; each then takes the other's half.
-    constexpr int H2 = FREQS / 2;
+    constexpr int H2 = PACKET_FREQS / 2;
     const int mine = f0 + (first_half ? 0 : H2);
     float mine_c[H2], mine_s[H2];
     load_row<AngleT, H2, false>(p.cos, pos * p.cos_stride_row + mine, 1, mine_c);
@@ -245,7 +206,7 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
   if constexpr (INTERLEAVED) {
     // (a, b) -> (a c - b s, b c + a s) for each pair of the packet
 #pragma unroll
-    for (int i = 0; i < FREQS; ++i) {
+    for (int i = 0; i < PACKET_FREQS; ++i) {
       const float a = v[2 * i], b = v[2 * i + 1];
       v[2 * i] = fmaf(a, c[i], -sign * (b * s[i]));
       v[2 * i + 1] = fmaf(b, c[i], sign * (a * s[i]));

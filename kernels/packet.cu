@@ -8,7 +8,7 @@
 //
 // Why a second kernel: a RoPE thread moves tens of bytes, and at the copy
 // rate an SM has only a few hundred instruction slots per thread
-// (docs/perf-notes.md). rope_kernel's per-thread setup (head lanes, head
+// (docs/performance.md, "packet_kernel"). rope_kernel's per-thread setup (head lanes, head
 // groups, token lanes, passes) pays off when a thread walks several heads;
 // this kernel's thread rotates one unit and needs a few integer operations
 // to find it:
@@ -22,11 +22,10 @@
 // partners, VEC pairs); for GPT-J with 16-bit elements, two adjacent
 // packets (VEC pairs); for GPT-J fp32, one packet (VEC / 2 pairs). (One output
 // packet per thread with its rotate-half partner re-read, the layout of
-// torch.compile's kernel, measured 0.86-0.93 of copy here against 0.99 for
-// pairs.) Positions: implied or explicit; rope_kernel keeps cu_seqlens
-// (its blocks of several tokens amortize the sequence search, which this
-// kernel would repeat for every 256 threads: thd 0.38-0.50 of copy) and
-// per-axis positions.
+// torch.compile's kernel, was slower than pairs.) Positions: implied or
+// explicit; rope_kernel keeps cu_seqlens (its blocks of several tokens
+// amortize the sequence search, which this kernel would repeat for every
+// 256 threads) and per-axis positions.
 #include "angles.cuh"
 
 namespace rope {
@@ -41,10 +40,7 @@ __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) 
   // Packets per thread: NeoX, the rotation partners at channels c0 and
   // c0 + HALF; GPT-J with 16-bit elements, two adjacent packets (a thread
   // moves as many bytes, and reads as many table bytes, as a NeoX one);
-  // GPT-J fp32, one. (bf16 GPT-J on the H100: one packet 0.95-0.976 of
-  // copy, two adjacent 0.987-0.994, two half a head apart 0.89-0.998 with
-  // the tables' placement in memory; fp32 GPT-J, one packet: 1.00;
-  // docs/perf-notes.md.)
+  // GPT-J fp32, one (docs/performance.md, "packet_kernel").
   constexpr int PACKETS = INTERLEAVED && sizeof(T) == 4 ? 1 : 2;
   static_assert(INTERLEAVED ? VEC % 2 == 0 : true, "GPT-J packets hold whole pairs");
   static_assert(INTERLEAVED ? HEAD_DIM % (PACKETS * VEC) == 0 : HALF % VEC == 0,
@@ -53,7 +49,7 @@ __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) 
   // Units (threads) per row, and frequencies per unit: NeoX, VEC (both
   // packets use the same ones); GPT-J, the unit's PACKETS * VEC / 2 pairs.
   constexpr int UNITS = INTERLEAVED ? HEAD_DIM / (PACKETS * VEC) : HALF / VEC;
-  constexpr int FREQS = INTERLEAVED ? PACKETS * VEC / 2 : VEC;
+  constexpr int UNIT_FREQS = INTERLEAVED ? PACKETS * VEC / 2 : VEC;
 
   const auto [sl, x_data, out_data] = block_slab(p);
   const View& xv = sl.x;
@@ -71,8 +67,7 @@ __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) 
     // Rows in (outer, head, inner) order: x stores heads outside the inner
     // token axis (a [b, h, s, d] tensor seen as bshd), so consecutive
     // threads read consecutive memory, and write it for an output of the
-    // same order. (bf16 [4, 4096, 32, 128] bhsd storage, output in x's
-    // order, on the H100: 0.957 of copy token-major, 0.983-0.985 head-major.)
+    // same order.
     const unsigned oh = divide(row, p.inner_mul, p.inner_shift);  // outer * heads + h
     if (oh >= static_cast<unsigned>(p.n_outer) * heads) return;   // the last block's spares
     inner = row - oh * n_inner;
@@ -101,7 +96,7 @@ __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) 
   Packet<T, VEC> raw[PACKETS];
   // Out of place, x is read-only for the whole launch (the launcher rejects
   // outputs overlapping inputs): its packets go through the non-coherent
-  // path (bshd/sbhd bf16 on the H100: +0.4-0.9% of copy).
+  // path, which is faster here.
   if (x_data != out_data) {
     raw[0] = load_read_only<T, VEC>(x + c0);
     if constexpr (PACKETS == 2) raw[1] = load_read_only<T, VEC>(x + c1);
@@ -120,8 +115,8 @@ __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) 
   const bool valid = token_position<POS_MODE>(p, 0, outer, inner, 0, pos);  // (token: VARLEN only)
   if constexpr (INTERLEAVED) {
     // PACKETS adjacent packets of whole pairs: frequencies c0 / 2 on.
-    float c[FREQS], s[FREQS], v[2 * FREQS];
-    angles<SOURCE, AngleT, FREQS, TABLE_STRIDED>(p, pos, valid, c0 / 2, c, s);
+    float c[UNIT_FREQS], s[UNIT_FREQS], v[2 * UNIT_FREQS];
+    angles<SOURCE, AngleT, UNIT_FREQS, TABLE_STRIDED>(p, pos, valid, c0 / 2, c, s);
 #pragma unroll
     for (int q = 0; q < PACKETS; ++q) {
       float part[VEC];
@@ -138,8 +133,8 @@ __global__ void __launch_bounds__(PACKET_THREADS) packet_kernel(const Params p) 
       store<T, VEC>(out + (q == 0 ? c0 : c1), 1, part);
     }
   } else {
-    float c[FREQS], s[FREQS], a[VEC], b[VEC];
-    angles<SOURCE, AngleT, FREQS, TABLE_STRIDED>(p, pos, valid, c0, c, s);
+    float c[UNIT_FREQS], s[UNIT_FREQS], a[VEC], b[VEC];
+    angles<SOURCE, AngleT, UNIT_FREQS, TABLE_STRIDED>(p, pos, valid, c0, c, s);
     to_floats(raw[0], a);
     to_floats(raw[1], b);
     rotate_halves(a, b, c, s);

@@ -61,7 +61,7 @@ struct CallData {
   const void* x_data[MAX_SLABS];
   void* out_data[MAX_SLABS];  // equal to x_data when rotating in place
   // Angle source. TABLE: cos and sin tables [max_position, rotary_dim / 2].
-  // ANGLE_TABLE: angles [max_position, rotary_dim / 2] in `cos`.
+  // FREQS: angles [max_position, rotary_dim / 2] in `cos`.
   // INV_FREQ: inv_freq [rotary_dim / 2] in `cos`.
   const void* cos;
   const void* sin;
@@ -112,13 +112,9 @@ struct Params : CallData {
 
 // flat_kernel's parameters (kernels/flat.cu): the per-call block, then
 // only what flat_kernel reads (it takes no offsets array or cu_seqlens,
-// which stay null; positions only for EXPLICIT): 320 bytes (304 before the
-// two position fields), against 952 for
-// Params when it carried flat_kernel's fields (808 now). A launch carries
-// its whole parameter block: on the H100 a 1472-byte block cost 0.15-0.35
-// us per launch over a 40-byte one, on kernels of 4 to 93 us
-// (scripts/param_probe.py), and flat_kernel calls of 71-93 us gained
-// 0.1-0.25 us from this struct (docs/perf-notes.md v13).
+// which stay null; positions only for EXPLICIT). A launch carries its whole
+// parameter block, so a smaller block launches faster (docs/performance.md,
+// "parameter block").
 struct FlatSlab {
   i64 block_begin;
   // Head rows of this slab, and a row's sequence index as
@@ -179,7 +175,8 @@ struct BlockSlab {
 };
 
 // Slabs a kernel compiled for SLABS may see: SLABS, the call's count when
-// the kernel is compiled for it, else (0) any count up to MAX_SLABS.
+// the kernel is compiled for it (flat_kernel), else (0: rope_kernel and
+// packet_kernel) any count up to MAX_SLABS.
 __host__ __device__ constexpr int slab_bound(int slabs) { return slabs ? slabs : MAX_SLABS; }
 
 // The slab of this block (block-uniform): Params or FlatParams. With SLABS 0,

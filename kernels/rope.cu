@@ -30,14 +30,9 @@
 
 namespace rope {
 
-#ifndef ROPE_MIN_BLOCKS_PER_SM  // scripts/quick_perf.py tries other values
-#define ROPE_MIN_BLOCKS_PER_SM 2
-#endif
-// Register budget: this many full blocks resident per SM.
-constexpr int MIN_BLOCKS_PER_SM = ROPE_MIN_BLOCKS_PER_SM;
-#ifndef ROPE_SEARCH_PREFETCH  // 0: off (scripts/quick_perf.py --variants NAME:D=ROPE_SEARCH_PREFETCH=0)
-#define ROPE_SEARCH_PREFETCH 1
-#endif
+// Register budget: this many full blocks resident per SM (twice as many for
+// the one-head kernels, UNROLL 1).
+constexpr int MIN_BLOCKS_PER_SM = 2;
 constexpr int MAX_THREADS = 256;  // threads per block (cupy_rope/launch.py THREADS_PER_BLOCK)
 constexpr int MAX_BLOCK_TOKENS = MAX_THREADS;  // tokens one block can cover
 
@@ -65,8 +60,7 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
   const unsigned b = blockIdx.x - static_cast<unsigned>(sl.block_begin);
   const unsigned token_blocks = static_cast<unsigned>(sl.token_blocks);
   // The prologue is paid per thread: no division for a slab's first head
-  // group (block-uniform), shifts for the power-of-two head lanes (fp32 one
-  // head 0.986 -> 1.000 of copy, rotary 0.5 in place 54.4 -> 53.0 us).
+  // group (block-uniform), shifts for the power-of-two head lanes.
   const unsigned group_u = b < token_blocks ? 0u : b / token_blocks;
   const i64 tb = b - group_u * token_blocks;
   const unsigned lanes = static_cast<unsigned>(sl.head_lanes);  // a power of two
@@ -120,18 +114,15 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
   __shared__ SequenceSignal seq_ready;
   if constexpr (POS_MODE == VARLEN) {
     signal_init(seq_ready);
-#if ROPE_SEARCH_PREFETCH
     // The searching warp's own loads wait for the search. With many
-    // sequences (a search of three steps, whose later reads miss L1) it first asks
-    // for its first pass's packets, into L1, so that those loads do not then
-    // wait for DRAM as well (thd [65536, 32, 128] bf16, 2401 sequences, of
-    // copy on the H100: 0.980-0.986 -> 0.993-0.996; 8 heads 0.92-0.93 ->
-    // 0.94-0.95; docs/perf-notes.md v15). Not with 128 sequences (8 heads
-    // lost 1%) nor with angles computed in the kernel (-1.2% to +1.3%).
+    // sequences (a search of three steps, whose later reads miss L1) it first
+    // asks for its first pass's packets, into L1, so that those loads do not
+    // then wait for DRAM as well. Only with tables: it did not pay with few
+    // sequences nor with angles computed in the kernel (docs/performance.md,
+    // "varlen").
     if constexpr (SOURCE == TABLE) {
       // Above this many sequences: a search of three steps (also
-      // cupy_rope/launch.py VARLEN_FEW_SEQS, above which angles computed in
-      // the kernel may take 8 tokens a block: varlen_block_shape).
+      // cupy_rope/launch.py LaunchPolicy.varlen_few_seqs).
       constexpr int SEARCH_PREFETCH_MIN_SEQS = 1024;
       if (p.n_seqs > SEARCH_PREFETCH_MIN_SEQS && is_search_lane() && live && item < ROT_ITEMS) {
 #pragma unroll
@@ -145,7 +136,6 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
         }
       }
     }
-#endif
     find_block_sequences(p, first, min(first + block_tokens, n_tokens) - 1, block_tokens,
                          seq_of_lane);  // the first search_lanes() threads
     signal_fire(seq_ready);
@@ -181,7 +171,7 @@ __global__ void __launch_bounds__(MAX_THREADS, UNROLL == 1 ? 2 * MIN_BLOCKS_PER_
     // the position and table reads (and, VARLEN, the wait for the block's
     // sequence search) overlap them. (Keep the pass's array local to the
     // loop: carried across passes, or filled before the loop, its loads
-    // were issued one at a time and varlen lost 15-30%.)
+    // were issued one at a time.)
     bool have_angles = false;
     for (int h0 = h_first; h0 < h_end; h0 += h_step * UNROLL) {
       Packet<T, WIDTH> raw[UNROLL][PACKETS];

@@ -174,7 +174,8 @@ def test_bound_fast_path_in_a_new_thread_and_planned_once(rng, monkeypatch):
 
     built = []
     real = launch.bound_launcher
-    monkeypatch.setattr(launch, "bound_launcher", lambda *a: built.append(1) or real(*a))
+    monkeypatch.setattr(launch, "bound_launcher",
+                        lambda *a, **kw: built.append(1) or real(*a, **kw))
     _, cos, sin = tables(64, 300)
     rope = cupy_rope.RotaryEmbedding(cos_sin_cache=torch.from_numpy(
         np.concatenate([cos, sin], 1)).cuda(), layout="thd")

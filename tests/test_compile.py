@@ -30,7 +30,7 @@ def test_every_shipped_specialization_compiles_for_sm90():
     assert all(name.startswith(("_ZN4rope11rope_kernel", "_ZN4rope13packet_kernel",
                                 "_ZN4rope11flat_kernel"))
                for name in lowered.values())
-    assert {s.mapping for s in specs} == {"heads", "packets", "flat"}
+    assert {s.mapping for s in specs} == set(specialize.KERNELS)
     assert {s.split_angles for s in specs if s.mapping == "flat" and not s.interleaved} == {
         False, True}
     assert {s.partner_load for s in specs if s.mapping == "flat" and not s.interleaved} == {
@@ -71,11 +71,11 @@ def test_varlen_sequence_signal_compiles_on_each_path(arch, waits, absent):
 
 def test_varlen_prefetch_threshold_matches_the_launcher():
     """kernels/rope.cu prefetches for searches of three steps, the sequence
-    count above which the launcher may give computed angles 8 tokens a block
-    (launch.varlen_block_shape)."""
+    count above which the launcher may give computed angles more tokens a block
+    (LaunchPolicy.varlen_few_seqs, launch.varlen_block_shape)."""
     text = (specialize.KERNEL_DIR / "rope.cu").read_text()
     seqs = int(re.search(r"SEARCH_PREFETCH_MIN_SEQS = (\d+);", text).group(1))
-    assert seqs == launch.VARLEN_FEW_SEQS
+    assert seqs == launch.POLICY.varlen_few_seqs
     assert "p.n_seqs > SEARCH_PREFETCH_MIN_SEQS" in text  # the constant is the test
 
 
@@ -143,8 +143,8 @@ def test_param_blocks_are_the_size_the_launcher_packs():
     declaration in the PTX: C++ padding included), is exactly the bytes the
     launcher packs: Params for rope_kernel and packet_kernel, FlatParams for
     flat_kernel."""
-    want = {"flat": launch.FLAT_PARAMS_SIZE, "packets": launch.PARAMS_SIZE,
-            "heads": launch.PARAMS_SIZE}
+    want = {"flat": launch.FLAT_PARAMS_SIZE, "packet": launch.PARAMS_SIZE,
+            "rope": launch.PARAMS_SIZE}
     picked = {}
     for spec in launch.shipped_specs():
         picked.setdefault(spec.mapping, spec)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import struct
 import threading
 import types
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -193,34 +195,47 @@ def test_bound_launcher_empty_plan_launches_nothing(driver_calls):
 def test_varlen_tokens_per_block_follow_the_search_depth_and_angle_source(
         items, heads, computed_tokens):
     """4 tokens a varlen block, but with angles computed in the kernel and
-    more than VARLEN_FEW_SEQS sequences 8 where 4 would leave a thread
-    fewer heads per computed angle than 8 do and than two passes
-    (launch.VARLEN_COMPUTED_MIN_TOKENS; measured in docs/perf-notes.md v16)."""
-    few_seqs, many = launch.VARLEN_FEW_SEQS, launch.VARLEN_FEW_SEQS + 1
+    more than LaunchPolicy.varlen_few_seqs sequences 8 where 4 would leave a
+    thread fewer heads per computed angle than 8 do and than two passes
+    (LaunchPolicy.varlen_computed_tokens; docs/performance.md, "varlen")."""
+    policy = launch.POLICY
+    few_seqs, many = policy.varlen_few_seqs, policy.varlen_few_seqs + 1
     shape = lambda n, source: launch.varlen_block_shape(  # noqa: E731
-        items, heads, 65536, launch.UNROLL, 132, n, source)
-    four = launch.block_shape(items, heads, 65536, launch.UNROLL, 132, launch.VARLEN_MIN_TOKENS)
-    eight = launch.block_shape(items, heads, 65536, launch.UNROLL, 132,
-                               launch.VARLEN_COMPUTED_MIN_TOKENS)
+        items, heads, 65536, policy.unroll, 132, n, source)
+    four = launch.block_shape(items, heads, 65536, policy.unroll, 132, policy.varlen_tokens)
+    eight = launch.block_shape(items, heads, 65536, policy.unroll, 132,
+                               policy.varlen_computed_tokens)
     for n in (1, few_seqs, many):
         assert shape(n, "table") == four
-    for source in ("inv_freq", "angle_table"):
+    for source in ("inv_freq", "freqs"):
         assert shape(1, source) == four and shape(few_seqs, source) == four
         assert shape(many, source) == (four if computed_tokens == 4 else eight)
-    assert launch.VARLEN_COMPUTED_MIN_TOKENS > launch.VARLEN_MIN_TOKENS
+    assert policy.varlen_computed_tokens > policy.varlen_tokens
     if computed_tokens == 8:  # the rule's reason: the fewer tokens halve some slab's heads
-        assert any(a < min(b, 2 * launch.UNROLL) for a, b in zip(
+        assert any(a < min(b, 2 * policy.unroll) for a, b in zip(
             launch._heads_per_thread(four), launch._heads_per_thread(eight)))
 
 
-def test_varlen_computed_few_tokens_switch(monkeypatch):
-    """VARLEN_COMPUTED_FEW_TOKENS = 0 gives every computed-angle call with
-    many sequences 8 tokens (the policy before the rule, for probes)."""
-    monkeypatch.setattr(launch, "VARLEN_COMPUTED_FEW_TOKENS", 0)
-    eight = launch.block_shape(4, (32,), 65536, launch.UNROLL, 132,
-                               launch.VARLEN_COMPUTED_MIN_TOKENS)
-    assert launch.varlen_block_shape(4, (32,), 65536, launch.UNROLL, 132,
-                                     launch.VARLEN_FEW_SEQS + 1, "inv_freq") == eight
+def test_override_policy_applies_inside_the_block_only():
+    """launch.override_policy changes the policy for its block (here every
+    computed-angle call with many sequences gets varlen_computed_tokens) and
+    restores the shipped one after it; unknown kernels are refused."""
+    shipped = launch.POLICY
+    args = (4, (32,), 65536, shipped.unroll, 132, shipped.varlen_few_seqs + 1, "inv_freq")
+    eight = launch.block_shape(4, (32,), 65536, shipped.unroll, 132,
+                               shipped.varlen_computed_tokens)
+    with launch.override_policy(varlen_tokens=shipped.varlen_computed_tokens) as policy:
+        assert launch.POLICY is policy and policy.varlen_tokens == shipped.varlen_computed_tokens
+        assert launch.varlen_block_shape(*args) == eight
+    assert launch.POLICY is shipped
+    assert launch.varlen_block_shape(*args) != eight
+    with pytest.raises(ValueError, match="kernels"):
+        with launch.override_policy(kernels=("heads",)):
+            pass
+    with pytest.raises(TypeError):
+        with launch.override_policy(no_such_field=1):
+            pass
+    assert launch.POLICY is shipped
 
 
 @pytest.mark.parametrize("items, heads, min_tokens, block", [
@@ -257,7 +272,7 @@ def test_too_many_heads_is_refused_before_launch():
 @pytest.mark.parametrize("rotary_dim,inplace,unroll,mapping", [
     (128, True, 1, "flat"),    # full rotary, tables, implied positions: flat_kernel
     (128, False, 1, "flat"),
-    (32, False, launch.UNROLL, "heads"),  # partial out of place: the tail is copied
+    (32, False, launch.POLICY.unroll, "rope"),  # partial out of place: the tail is copied
     (32, True, 1, "flat"),        # partial in place: the rotated packets only
     (64, True, 1, "flat"),
 ])
@@ -279,12 +294,12 @@ def test_unroll_policy_for_partial_rotary(rotary_dim, inplace, unroll, mapping):
         pos = Tensor(None, "cupy", 1 << 43, (3, 16), (16, 1), "int32", (CUDA, 0), False)
         call = check_call(x, layout="thd", inv_freq=inv, rotary_dim=rotary_dim, positions=pos,
                           sections=(rotary_dim // 2 - 2, 1, 1), inplace=True)
-        assert launch.choose_spec(call).unroll == launch.UNROLL
+        assert launch.choose_spec(call).unroll == launch.POLICY.unroll
 
 
 @pytest.mark.parametrize("source,heads,mapping", [
-    ("table", 32, "flat"), ("inv_freq", 32, "heads"), ("freqs", 32, "heads"),
-    ("inv_freq", launch.COMPUTED_ANGLES_HEADS - 1, "packets"), ("freqs", 8, "packets")])
+    ("table", 32, "flat"), ("inv_freq", 32, "rope"), ("freqs", 32, "rope"),
+    ("inv_freq", launch.POLICY.computed_angles_heads - 1, "packet"), ("freqs", 8, "packet")])
 def test_computed_angles_for_many_heads_use_rope_kernel(source, heads, mapping):
     """Angles computed in the kernel (inv_freq, freqs) are found once per
     thread: rope_kernel's thread shares them across several heads."""
@@ -303,12 +318,12 @@ def test_computed_angles_for_many_heads_use_rope_kernel(source, heads, mapping):
 
 
 @pytest.mark.parametrize("interleaved,inplace,dtype,last_stride,ptr_offset,mapping", [
-    (False, False, "bfloat16", 1, 0, "packets"),
-    (False, True, "bfloat16", 1, 0, "packets"),
-    (True, True, "bfloat16", 1, 0, "packets"),
-    (True, False, "float32", 1, 0, "packets"),
-    (False, False, "bfloat16", 2, 0, "heads"),  # strided channels
-    (False, False, "bfloat16", 1, 8, "heads"),  # 8-byte aligned: no 16-byte packets
+    (False, False, "bfloat16", 1, 0, "packet"),
+    (False, True, "bfloat16", 1, 0, "packet"),
+    (True, True, "bfloat16", 1, 0, "packet"),
+    (True, False, "float32", 1, 0, "packet"),
+    (False, False, "bfloat16", 2, 0, "rope"),  # strided channels
+    (False, False, "bfloat16", 1, 8, "rope"),  # 8-byte aligned: no 16-byte packets
 ])
 def test_packet_kernel_policy(interleaved, inplace, dtype, last_stride, ptr_offset, mapping):
     from cupy_rope.interop import CUDA, Tensor
@@ -323,7 +338,7 @@ def test_packet_kernel_policy(interleaved, inplace, dtype, last_stride, ptr_offs
         None, "cupy", 1 << 43, (16, h, d), (h * d, d, 1), dtype, (CUDA, 0), False))
     call = check_call(x, cos=cos, sin=sin, layout="thd", interleaved=interleaved, **kw)
     assert launch.choose_spec(call, flat=False).mapping == mapping
-    assert launch.choose_spec(call).mapping == ("flat" if mapping == "packets" else mapping)
+    assert launch.choose_spec(call).mapping == ("flat" if mapping == "packet" else mapping)
 
 
 @pytest.mark.parametrize("d", [1, 2, 3, 5, 7, 24, 32, 40, 100, 4095, 65536, 65537,
@@ -342,17 +357,17 @@ def test_reciprocal_divides_every_31_bit_numerator(d):
 
 
 @pytest.mark.parametrize("head_dim,dtype,interleaved,mapping,threads", [
-    (64, "bfloat16", False, "packets", 4), (128, "float16", False, "packets", 8),
-    (256, "float32", False, "packets", 32),
-    (80, "bfloat16", False, "packets", 5), (96, "bfloat16", False, "packets", 6),
-    (96, "float32", False, "packets", 12), (32, "float32", False, "packets", 4),
-    (16, "bfloat16", False, "packets", 1),
-    (4, "float32", False, "heads", None),  # 2-pair packets: 8 bytes
+    (64, "bfloat16", False, "packet", 4), (128, "float16", False, "packet", 8),
+    (256, "float32", False, "packet", 32),
+    (80, "bfloat16", False, "packet", 5), (96, "bfloat16", False, "packet", 6),
+    (96, "float32", False, "packet", 12), (32, "float32", False, "packet", 4),
+    (16, "bfloat16", False, "packet", 1),
+    (4, "float32", False, "rope", None),  # 2-pair packets: 8 bytes
     # GPT-J: two adjacent packets per thread for 16-bit elements, one for fp32
-    (128, "bfloat16", True, "packets", 8), (16, "bfloat16", True, "packets", 1),
-    (8, "bfloat16", True, "heads", None),  # one packet per head: no pair to take
-    (96, "bfloat16", True, "packets", 6), (24, "bfloat16", True, "heads", None),  # 3 packets
-    (128, "float32", True, "packets", 32), (8, "float32", True, "packets", 2)])
+    (128, "bfloat16", True, "packet", 8), (16, "bfloat16", True, "packet", 1),
+    (8, "bfloat16", True, "rope", None),  # one packet per head: no pair to take
+    (96, "bfloat16", True, "packet", 6), (24, "bfloat16", True, "rope", None),  # 3 packets
+    (128, "float32", True, "packet", 32), (8, "float32", True, "packet", 2)])
 def test_packet_kernel_threads_per_head(head_dim, dtype, interleaved, mapping, threads):
     from cupy_rope.interop import CUDA, Tensor
     from cupy_rope.validate import check_call
@@ -387,9 +402,9 @@ def test_gptj_packets_read_16_bit_tables_whole_rows_only_when_aligned(row_stride
         # flat_kernel reads a packet's frequencies (NeoX 8: 16 bytes, GPT-J 4: 8
         # bytes) as one run, so NeoX needs 16-byte aligned rows
         assert launch.choose_spec(call).mapping == (
-            "packets" if strided and not interleaved else "flat")
+            "packet" if strided and not interleaved else "flat")
         spec = launch.choose_spec(call, flat=False)
-        assert spec.mapping == "packets"
+        assert spec.mapping == "packet"
         assert spec.table_strided == strided
         if interleaved:
             # rope_kernel's GPT-J item reads 4 frequencies (8 bytes): aligned.
@@ -397,9 +412,9 @@ def test_gptj_packets_read_16_bit_tables_whole_rows_only_when_aligned(row_stride
 
 
 @pytest.mark.parametrize("rule,tokens,mapping", [
-    ("explicit", 16, "flat"), ("explicit", launch.EXPLICIT_PACKET_ROWS // 8 - 1, "packets"),
-    ("explicit", launch.EXPLICIT_PACKET_ROWS // 8, "heads"), ("implied", 1 << 16, "flat"),
-    ("varlen", 16, "heads")])
+    ("explicit", 16, "flat"), ("explicit", launch.POLICY.explicit_packet_rows // 8 - 1, "packet"),
+    ("explicit", launch.POLICY.explicit_packet_rows // 8, "rope"), ("implied", 1 << 16, "flat"),
+    ("varlen", 16, "rope")])
 def test_packet_kernel_position_rules(rule, tokens, mapping):
     """Explicit positions into a small table use flat_kernel; into a table
     larger than FLAT_POSITIONS_TABLE_BYTES, packet_kernel below
@@ -438,7 +453,7 @@ def test_packet_rows_head_major_when_heads_are_stored_outside_tokens(storage, pa
     x = Tensor(None, "cupy", 1 << 40, (b, s, h, d), st, "bfloat16", (CUDA, 0), False)
     cos = Tensor(None, "cupy", 1 << 41, (s, d // 2), (d // 2, 1), "float32", (CUDA, 0), False)
     call = check_call(x, cos=cos, sin=cos, layout="bshd", inplace=True)
-    assert launch.choose_spec(call, flat=False).mapping == "packets"
+    assert launch.choose_spec(call, flat=False).mapping == "packet"
     fixed = dict(zip((n for n, _ in launch.FIXED_FIELDS),
                      launch._FIXED.unpack(launch.fixed_params(call, [(0, 0, 0, 0)], packets))))
     assert fixed["slab[0].head_major"] == head_major
@@ -464,148 +479,200 @@ def _table(rows, half, dtype="float32", ptr=1 << 41):
     return Tensor(None, "cupy", ptr, (rows, half), (half, 1), dtype, (CUDA, 0), False)
 
 
-@pytest.mark.parametrize("case,mapping,split,partner_load", [
-    ("bshd", "flat", False, False), ("sbhd", "flat", False, False),
-    ("bhsd view", "flat", True, False), ("bhsd view, contiguous out", "packets", None, None),
-    ("thd 4 heads", "flat", True, False), ("in place", "flat", False, False),
-    ("gptj bhsd view", "flat", False, False), ("explicit positions", "packets", None, None),
-    ("offsets per batch entry", "packets", None, None),
-    ("context parallel", "packets", None, None), ("d80 bf16", "flat", False, False),
-    ("d96 bf16", "flat", False, True), ("d96 bf16 in place", "packets", None, None),
-    ("d96 bf16 gptj", "flat", False, False), ("d80 fp32", "flat", False, True),
-    ("d256 fp32", "flat", False, True), ("d256 fp32 in place", "packets", None, None),
-    ("d256 fp32 gptj", "flat", False, False), ("partial rotary", "heads", None, None),
-    ("partial rotary in place", "flat", False, False),
-    ("inv_freq", "heads", None, None), ("unaligned table rows", "packets", None, None)])
-def test_flat_kernel_policy(case, mapping, split, partner_load):
-    """flat_kernel takes dense slabs whose output has x's strides, full
-    rotary, cos/sin tables, implied positions with a scalar offset only, and
-    (NeoX) rows that fill a warp but for at most FLAT_MAX_IDLE_LANES lanes,
-    or else an output apart from x (the thread loads its partner itself);
-    NeoX lanes split the angle reads when a block's rows lie at several
-    positions."""
+class FlatCall(NamedTuple):
+    """A call for the flat_kernel policy tests: dense bf16 bshd [2, 16, 32,
+    128] out of place with fp32 cos/sin tables and implied positions, but
+    for the fields given."""
+
+    layout: str = "bshd"
+    shape: tuple = (2, 16, 32, 128)
+    order: tuple = (0, 1, 2, 3)  # x's storage order, outermost axis first
+    dtype: str = "bfloat16"
+    interleaved: bool = False
+    inplace: bool = False
+    partial: bool = False  # rotary_dim = head_dim / 2
+    angles: str = "table"  # "table", "inv_freq" or "unaligned table" (rows 4 apart of 16 bytes)
+    contiguous_out: bool = False  # out in row-major order whatever x's order
+    positions: bool = False  # explicit positions [b, s]
+    offsets: bool = False  # offsets per batch entry
+    cp: bool = False  # context parallel, rank 1 of 2
+
+
+def _flat_call(c: FlatCall):
     from cupy_rope.interop import CUDA, Tensor
     from cupy_rope.validate import check_call
 
-    b, s, h, d = 2, 16, 32, 128
-    dtype = "float32" if "fp32" in case else "bfloat16"
-    if case.startswith("d"):
-        d = int(case[1:4])
-    layout, shape, order = "bshd", (b, s, h, d), (0, 1, 2, 3)
-    if case == "sbhd":
-        layout, shape = "sbhd", (s, b, h, d)
-    elif "bhsd view" in case:
-        order = (0, 2, 1, 3)
-    elif case == "thd 4 heads":
-        layout, shape, order = "thd", (s, 4, d), (0, 1, 2)
-    x = _dense(shape, order, dtype)
-    kw = {"interleaved": "gptj" in case}
-    r = d // 2 if case.startswith("partial rotary") else d
-    if case == "inv_freq":
+    d = c.shape[-1]
+    s = c.shape[0] if c.layout in ("sbhd", "thd") else c.shape[1]
+    r = d // 2 if c.partial else d
+    kw = {"interleaved": c.interleaved}
+    if c.angles == "inv_freq":
         kw["inv_freq"] = Tensor(None, "cupy", 1 << 41, (r // 2,), (1,), "float32", (CUDA, 0),
                                 False)
-    elif case == "unaligned table rows":
+    elif c.angles == "unaligned table":
         t = Tensor(None, "cupy", 1 << 41, (s, d // 2), (d // 2 + 4, 1), "float32", (CUDA, 0),
                    False)
         kw.update(cos=t, sin=t)
     else:
         kw.update(cos=_table(2 * s, r // 2), sin=_table(2 * s, r // 2, ptr=1 << 42))
-    if case == "explicit positions":
+    b = c.shape[0]
+    if c.positions:
         kw["positions"] = _dense((b, s), (0, 1), "int32", 1 << 43)
-    elif case == "offsets per batch entry":
+    if c.offsets:
         kw["offsets"] = _dense((b,), (0,), "int32", 1 << 43)
-    elif case == "context parallel":
+    if c.cp:
         kw.update(cp_size=2, cp_rank=1)
-    if "in place" in case:
+    if c.inplace:
         kw["inplace"] = True
     else:
-        out_order = order if "contiguous out" not in case else tuple(range(len(shape)))
-        kw["out"] = _dense(shape, out_order, dtype, 1 << 44)
-    call = check_call(x, layout=layout, rotary_dim=r, **kw)
+        out_order = tuple(range(len(c.shape))) if c.contiguous_out else c.order
+        kw["out"] = _dense(c.shape, out_order, c.dtype, 1 << 44)
+    return check_call(_dense(c.shape, c.order, c.dtype), layout=c.layout, rotary_dim=r, **kw)
+
+
+BHSD = (0, 2, 1, 3)  # a [b, s, h, d] view of [b, h, s, d] storage
+
+
+@pytest.mark.parametrize("case,mapping,split,partner_load", [
+    pytest.param(FlatCall(), "flat", False, False, id="bshd"),
+    pytest.param(FlatCall(layout="sbhd", shape=(16, 2, 32, 128)), "flat", False, False,
+                 id="sbhd"),
+    pytest.param(FlatCall(order=BHSD), "flat", True, False, id="bhsd view"),
+    pytest.param(FlatCall(order=BHSD, contiguous_out=True), "packet", None, None,
+                 id="bhsd view, contiguous out"),
+    pytest.param(FlatCall(layout="thd", shape=(16, 4, 128), order=(0, 1, 2)), "flat", True,
+                 False, id="thd 4 heads"),
+    pytest.param(FlatCall(inplace=True), "flat", False, False, id="in place"),
+    pytest.param(FlatCall(order=BHSD, interleaved=True), "flat", False, False,
+                 id="gptj bhsd view"),
+    pytest.param(FlatCall(positions=True), "packet", None, None, id="explicit positions"),
+    pytest.param(FlatCall(offsets=True), "packet", None, None, id="offsets per batch entry"),
+    pytest.param(FlatCall(cp=True), "packet", None, None, id="context parallel"),
+    pytest.param(FlatCall(shape=(2, 16, 32, 80)), "flat", False, False, id="d80 bf16"),
+    pytest.param(FlatCall(shape=(2, 16, 32, 96)), "flat", False, True, id="d96 bf16"),
+    pytest.param(FlatCall(shape=(2, 16, 32, 96), inplace=True), "packet", None, None,
+                 id="d96 bf16 in place"),
+    pytest.param(FlatCall(shape=(2, 16, 32, 96), interleaved=True), "flat", False, False,
+                 id="d96 bf16 gptj"),
+    pytest.param(FlatCall(shape=(2, 16, 32, 80), dtype="float32"), "flat", False, True,
+                 id="d80 fp32"),
+    pytest.param(FlatCall(shape=(2, 16, 32, 256), dtype="float32"), "flat", False, True,
+                 id="d256 fp32"),
+    pytest.param(FlatCall(shape=(2, 16, 32, 256), dtype="float32", inplace=True), "packet",
+                 None, None, id="d256 fp32 in place"),
+    pytest.param(FlatCall(shape=(2, 16, 32, 256), dtype="float32", interleaved=True), "flat",
+                 False, False, id="d256 fp32 gptj"),
+    pytest.param(FlatCall(partial=True), "rope", None, None, id="partial rotary"),
+    pytest.param(FlatCall(partial=True, inplace=True), "flat", False, False,
+                 id="partial rotary in place"),
+    pytest.param(FlatCall(angles="inv_freq"), "rope", None, None, id="inv_freq"),
+    pytest.param(FlatCall(angles="unaligned table"), "packet", None, None,
+                 id="unaligned table rows")])
+def test_flat_kernel_policy(case, mapping, split, partner_load):
+    """flat_kernel takes dense slabs whose output has x's strides, full
+    rotary, cos/sin tables, implied positions with a scalar offset only, and
+    (NeoX) rows that fill a warp but for at most flat_max_idle_lanes lanes,
+    or else an output apart from x (the thread loads its partner itself);
+    NeoX lanes split the angle reads when a block's rows lie at several
+    positions."""
+    call = _flat_call(case)
     spec = launch.choose_spec(call)
     assert spec.mapping == mapping
     if split is not None:
         assert (spec.split_angles, spec.partner_load) == (split, partner_load)
     if mapping == "flat":  # flat=False: what runs without it (partial: one head per thread)
-        assert spec.slabs == 1  # compiled for one slab: no run-time pick (FLAT_EXACT_SLABS)
+        assert spec.slabs == 1  # compiled for one slab: no run-time pick
         assert launch.choose_spec(call, flat=False).mapping == (
-            "heads" if case.startswith("partial") else "packets")
+            "rope" if case.partial else "packet")
+
+
+class PositionsCall(NamedTuple):
+    """A call with explicit positions for the flat_kernel tests: thd [64,
+    32, 128] bf16 out of place, int32 positions [t], fp32 tables of 4096
+    rows, but for the fields given."""
+
+    layout: str = "thd"
+    b: int = 1  # batch entries (bshd, sbhd)
+    s: int = 64
+    h: int = 32
+    d: int = 128
+    dtype: str = "bfloat16"
+    pos_dtype: str = "int32"
+    interleaved: bool = False
+    table_rows: int = 4096
+    batch_positions: bool = False  # positions [b, s] (else [s])
+    pos_stride: int = 1  # every pos_stride-th element of a longer array
+    offsets: bool = False  # offsets per batch entry
+    inplace: bool = False  # in place with rotary_dim 64
+    kernels: tuple = launch.POLICY.kernels  # LaunchPolicy.kernels
+
+
+_TABLE_BOUND = launch.POLICY.flat_table_bytes
+_ROW_BYTES = 128 * 4  # fp32 cos and sin rows of 64 frequencies each
 
 
 @pytest.mark.parametrize("case,mapping", [
-    ("thd", "flat"), ("thd int64", "flat"), ("thd GPT-J", "flat"), ("bshd [s]", "flat"),
-    ("bshd [1, s]", "flat"), ("sbhd [s]", "flat"), ("bshd [b, s]", "packets"),
-    ("table over the byte bound", "packets"), ("positions over the byte bound", "packets"),
-    ("table rows at the byte bound", "flat"), ("large table, few positions", "flat"),
-    ("many positions, small table", "flat"),
-    ("strided positions", "flat"), ("float32", "packets"),
-    ("d80 NeoX", "packets"), ("split angles", "packets"), ("offsets per batch entry", "packets"),
-    ("FLAT_POSITIONS off", "packets"), ("in place, rotary 64", "flat")])
+    pytest.param(PositionsCall(), "flat", id="thd"),
+    pytest.param(PositionsCall(pos_dtype="int64"), "flat", id="thd int64"),
+    pytest.param(PositionsCall(interleaved=True), "flat", id="thd GPT-J"),
+    pytest.param(PositionsCall(layout="bshd", b=2), "flat", id="bshd [s]"),
+    pytest.param(PositionsCall(layout="bshd", b=1, batch_positions=True), "flat",
+                 id="bshd [1, s]"),
+    pytest.param(PositionsCall(layout="sbhd", b=2), "flat", id="sbhd [s]"),
+    pytest.param(PositionsCall(layout="bshd", b=2, batch_positions=True), "packet",
+                 id="bshd [b, s]"),
+    # (16 heads: below explicit_packet_rows)
+    pytest.param(PositionsCall(h=16, table_rows=_TABLE_BOUND // _ROW_BYTES + 1,
+                               s=_TABLE_BOUND // _ROW_BYTES + 1), "packet",
+                 id="table over the byte bound"),
+    pytest.param(PositionsCall(h=16, table_rows=1 << 20, s=_TABLE_BOUND // _ROW_BYTES + 1),
+                 "packet", id="positions over the byte bound"),
+    pytest.param(PositionsCall(h=16, table_rows=_TABLE_BOUND // _ROW_BYTES,
+                               s=_TABLE_BOUND // _ROW_BYTES), "flat",
+                 id="table rows at the byte bound"),
+    pytest.param(PositionsCall(table_rows=1 << 20), "flat",
+                 id="large table, few positions"),  # decode into a long cos/sin cache
+    pytest.param(PositionsCall(h=16, s=2 * _TABLE_BOUND // _ROW_BYTES, table_rows=64), "flat",
+                 id="many positions, small table"),  # packed short sequences
+    pytest.param(PositionsCall(pos_stride=3), "flat", id="strided positions"),
+    pytest.param(PositionsCall(dtype="float32"), "packet", id="float32"),
+    pytest.param(PositionsCall(d=80), "packet", id="d80 NeoX"),
+    pytest.param(PositionsCall(h=4), "packet", id="split angles"),  # 4 rows a position, 8 a block
+    pytest.param(PositionsCall(layout="bshd", b=2, offsets=True), "packet",
+                 id="offsets per batch entry"),
+    pytest.param(PositionsCall(kernels=("packet", "rope")), "packet",
+                 id="packet_kernel and rope_kernel only"),
+    pytest.param(PositionsCall(inplace=True), "flat", id="in place, rotary 64")])
 def test_flat_kernel_explicit_positions_policy(monkeypatch, case, mapping):
     """Explicit positions run flat_kernel when they follow the sequence index
     alone ([t], [s], [1, s]), the table rows they can reach fit in
-    FLAT_POSITIONS_TABLE_BYTES, and the kernel would ask for those rows
+    LaunchPolicy.flat_table_bytes, and the kernel would ask for those rows
     late (16-bit x, rows that tile a warp or GPT-J, no split angles);
     otherwise packet_kernel (these calls are small) as before. The
     positions' stride and width reach FlatParams."""
+    from cupy_rope.interop import CUDA, Tensor
     from cupy_rope.validate import check_call
 
-    bound = launch.FLAT_POSITIONS_TABLE_BYTES
-    b, s, h, d, r = 1, 64, 32, 128, 128
-    layout, dtype, pos_dtype, interleaved = "thd", "bfloat16", "int32", False
-    table_rows = 4096
-    kw = {}
-    if case == "thd int64":
-        pos_dtype = "int64"
-    elif case == "thd GPT-J":
-        interleaved = True
-    elif case.startswith(("bshd", "sbhd")):
-        layout, b = case[:4], (1 if case == "bshd [1, s]" else 2)
-    elif case == "table over the byte bound":  # (16 heads: below EXPLICIT_PACKET_ROWS)
-        h, table_rows = 16, bound // (d * 4) + 1  # fp32 cos and sin: d * 4 bytes a row
-        s = table_rows
-    elif case == "positions over the byte bound":
-        h, table_rows, s = 16, 1 << 20, bound // (d * 4) + 1
-    elif case == "table rows at the byte bound":
-        h, table_rows = 16, bound // (d * 4)
-        s = table_rows
-    elif case == "large table, few positions":  # decode into a long cos/sin cache
-        table_rows = 1 << 20
-    elif case == "many positions, small table":  # packed short sequences
-        h, s, table_rows = 16, 2 * bound // (d * 4), 64
-    elif case == "float32":
-        dtype = "float32"
-    elif case == "d80 NeoX":
-        d = r = 80
-    elif case == "split angles":
-        h = 4  # 4 rows a position, 8 rows a block
-    elif case == "offsets per batch entry":
-        layout, b = "bshd", 2
+    monkeypatch.setattr(launch, "POLICY", dataclasses.replace(launch.POLICY,
+                                                              kernels=case.kernels))
+    b, s, h, d, layout = case.b, case.s, case.h, case.d, case.layout
+    r = 64 if case.inplace else d
+    kw = {"inplace": True} if case.inplace else {}
+    if case.offsets:
         kw["offsets"] = _dense((b,), (0,), "int32", 1 << 43)
-    elif case == "FLAT_POSITIONS off":
-        monkeypatch.setattr(launch, "FLAT_POSITIONS", False)
-    elif case.startswith("in place"):
-        r = 64
-        kw["inplace"] = True
     if layout == "thd":
-        shape, pos_shape = (s, h, d), (s,)
+        shape = (s, h, d)
     else:
         shape = (b, s, h, d) if layout == "bshd" else (s, b, h, d)
-        pos_shape = (b, s) if case in ("bshd [b, s]", "bshd [1, s]") else (s,)
-    pos_order = tuple(range(len(pos_shape)))
-    kw["positions"] = _dense(pos_shape, pos_order, pos_dtype, 1 << 42)
-    pos_stride = 1
-    if case == "strided positions":  # every third element of a longer array
-        from cupy_rope.interop import CUDA, Tensor
-
-        pos_stride = 3
-        kw["positions"] = Tensor(None, "cupy", 1 << 42, pos_shape, (3,), pos_dtype, (CUDA, 0),
-                                 False)
-    if "inplace" not in kw:
-        kw["out"] = _dense(shape, tuple(range(len(shape))), dtype, 1 << 44)
-    tab = _table(table_rows, r // 2)
-    call = check_call(_dense(shape, tuple(range(len(shape))), dtype), cos=tab, sin=tab,
-                      layout=layout, interleaved=interleaved, rotary_dim=r, **kw)
+    pos_shape = (b, s) if case.batch_positions else (s,)
+    kw["positions"] = Tensor(None, "cupy", 1 << 42, pos_shape,
+                             _dense(pos_shape, tuple(range(len(pos_shape)))).strides[:-1]
+                             + (case.pos_stride,), case.pos_dtype, (CUDA, 0), False)
+    if not case.inplace:
+        kw["out"] = _dense(shape, tuple(range(len(shape))), case.dtype, 1 << 44)
+    tab = _table(case.table_rows, r // 2)
+    call = check_call(_dense(shape, tuple(range(len(shape))), case.dtype), cos=tab, sin=tab,
+                      layout=layout, interleaved=case.interleaved, rotary_dim=r, **kw)
     spec = launch.choose_spec(call)
     assert spec.mapping == mapping
     if mapping == "flat":
@@ -616,61 +683,74 @@ def test_flat_kernel_explicit_positions_policy(monkeypatch, case, mapping):
         plan.spec, plan.buf = spec, bytes(launch._DYNAMIC.size) + launch.flat_fixed_params(
             call, [(0, 0, 0, 0)], launch.flat_geometry(call))
         fixed = launch.unpack_fixed(plan)
-        assert (fixed["pos_stride"], fixed["pos_is_64"]) == (pos_stride,
-                                                            int(pos_dtype == "int64"))
+        assert (fixed["pos_stride"], fixed["pos_is_64"]) == (
+            case.pos_stride, int(case.pos_dtype == "int64"))
         # the row's sequence index: rows per step (h for token-major x), no modulo
         step = h * (b if layout == "sbhd" else 1)
         assert fixed["slab[0].seq_len"] == (s if layout == "bshd" and b > 1 else 0)
         assert launch.flat_geometry(call)[0][1] == step
 
 
+class EarlyCall(NamedTuple):
+    """A call for the early-table-rows tests: bf16 sbhd [s, 1, 32, 128] out
+    of place, NeoX, implied positions, whose x holds at least the bound's
+    bytes (``below``: one token of heads fewer), but for the fields given."""
+
+    d: int = 128
+    dtype: str = "bfloat16"
+    interleaved: bool = False
+    heads: int = 32
+    below: bool = False
+    layout: str = "sbhd"
+    qk: bool = False  # bshd q of 24 heads and k of 8: the bytes of both
+    positions: bool = False  # explicit positions [s]
+    inplace: bool = False  # in place, rotary_dim 64: the rotated bytes count
+
+
 @pytest.mark.parametrize("case,early", [
-    ("sbhd at the bound", True), ("sbhd below the bound", False), ("bshd q + k at the bound", True),
-    ("GPT-J at the bound", True), ("float32 at the bound", False),
-    ("d80 GPT-J at the bound", True), ("d80 NeoX at the bound", False),
-    ("split angles at the bound", False), ("explicit positions at the bound", False),
-    ("in place rotary 64, bytes walked below the bound", False),
-    ("in place rotary 64, bytes walked at the bound", True)])
+    pytest.param(EarlyCall(), True, id="sbhd at the bound"),
+    pytest.param(EarlyCall(below=True), False, id="sbhd below the bound"),
+    pytest.param(EarlyCall(layout="bshd", qk=True), True, id="bshd q + k at the bound"),
+    pytest.param(EarlyCall(interleaved=True), True, id="GPT-J at the bound"),
+    pytest.param(EarlyCall(dtype="float32"), False, id="float32 at the bound"),
+    # rows of 10 packets: GPT-J asks late, NeoX early anyway
+    pytest.param(EarlyCall(d=80, interleaved=True), True, id="d80 GPT-J at the bound"),
+    pytest.param(EarlyCall(d=80), False, id="d80 NeoX at the bound"),
+    pytest.param(EarlyCall(heads=4), False, id="split angles at the bound"),  # 4 rows a position
+    pytest.param(EarlyCall(positions=True), False, id="explicit positions at the bound"),
+    pytest.param(EarlyCall(inplace=True, below=True), False,
+                 id="in place rotary 64, bytes walked below the bound"),
+    pytest.param(EarlyCall(inplace=True), True,
+                 id="in place rotary 64, bytes walked at the bound")])
 def test_flat_kernel_early_tables_for_large_calls(monkeypatch, case, early):
     """flat_kernel rows that would ask for their table rows late ask early
-    in calls with implied positions that walk FLAT_EARLY_TABLES_BYTES of x
+    in calls with implied positions that walk flat_early_tables_bytes of x
     or more (the rotated channels of every slab); never for explicit
     positions, and the rows that ask early anyway are unchanged."""
     from cupy_rope.validate import check_call
 
     bound = 1 << 20  # a small bound, so that the shapes stay small
-    monkeypatch.setattr(launch, "FLAT_EARLY_TABLES_BYTES", bound)
-    d, r, dtype, interleaved, h, kw = 128, 128, "bfloat16", False, 32, {}
-    if case.startswith("d80"):  # rows of 10 packets: GPT-J asks late, NeoX early anyway
-        d = r = 80
-        interleaved = "GPT-J" in case
-    item = 4 if case.startswith("float32") else 2
-    rows = bound // (d * item)  # bytes of x at the bound
-    if case.startswith("split"):
-        h = 4  # 4 rows a position, 8 rows a block
-    if "below" in case:
+    monkeypatch.setattr(launch, "POLICY", dataclasses.replace(launch.POLICY,
+                                                              flat_early_tables_bytes=bound))
+    d, h, dtype, kw = case.d, case.heads, case.dtype, {}
+    r = 64 if case.inplace else d
+    rows = bound // (r * (4 if dtype == "float32" else 2))  # rows of the bound's bytes
+    if case.below:
         rows -= h
-    if case.startswith("float32"):
-        dtype = "float32"
-    if case.startswith("GPT-J"):
-        interleaved = True
-    if case.startswith("in place"):
-        r = 64
-        rows = bound // (r * 2) - (h if "below" in case else 0)
-        kw["inplace"] = True
-    s = rows // h if "below" in case else -(-rows // h)  # at the bound: at least its bytes
-    layout = "bshd" if case.startswith("bshd") else "sbhd"
-    shape = (s, 1, h, d) if layout == "sbhd" else (1, s, h, d)
-    if case.startswith("bshd q + k"):  # q 24 heads and k 8: the bytes of both
+    s = rows // h if case.below else -(-rows // h)  # at the bound: at least its bytes
+    shape = (s, 1, h, d) if case.layout == "sbhd" else (1, s, h, d)
+    if case.qk:
         shape, kw["k"] = (1, s, 24, d), _dense((1, s, 8, d), (0, 1, 2, 3), dtype, 1 << 45)
         kw["out_k"] = _dense((1, s, 8, d), (0, 1, 2, 3), dtype, 1 << 46)
-    if case.startswith("explicit"):
+    if case.positions:
         kw["positions"] = _dense((s,), (0,), "int32", 1 << 43)
-    if "inplace" not in kw:
+    if case.inplace:
+        kw["inplace"] = True
+    else:
         kw["out"] = _dense(shape, (0, 1, 2, 3), dtype, 1 << 44)
     tab = _table(s, r // 2)
-    call = check_call(_dense(shape, (0, 1, 2, 3), dtype), cos=tab, sin=tab, layout=layout,
-                      interleaved=interleaved, rotary_dim=r, **kw)
+    call = check_call(_dense(shape, (0, 1, 2, 3), dtype), cos=tab, sin=tab, layout=case.layout,
+                      interleaved=case.interleaved, rotary_dim=r, **kw)
     spec = launch.choose_spec(call)
     assert spec.mapping == "flat"
     assert spec.early_tables == early
@@ -681,11 +761,31 @@ def test_flat_kernel_early_tables_for_large_calls(monkeypatch, case, early):
     assert not launch.choose_spec(call).early_tables  # the shipped bound: these calls are small
 
 
-@pytest.mark.parametrize("case,evict_last", [
-    ("sbhd", True), ("sbhd q + k", True), ("thd", True), ("bshd one batch entry", True),
-    ("bshd two batch entries", False), ("in place", False), ("bfloat16", False),
-    ("d96 NeoX (partner load)", False), ("d96 GPT-J", True), ("FLAT_X_EVICT_LAST off", False)])
-def test_flat_kernel_x_evict_last_for_fp32_in_position_order(monkeypatch, case, evict_last):
+class EvictCall(NamedTuple):
+    """A call for the evict-last tests: fp32 sbhd [16, 2, 8, 128] NeoX out
+    of place with cos/sin tables, but for the fields given."""
+
+    layout: str = "sbhd"
+    batch: int = 2
+    dtype: str = "float32"
+    d: int = 128
+    interleaved: bool = False
+    qk: bool = False  # and k of 2 heads
+    inplace: bool = False
+
+
+@pytest.mark.parametrize("case,evict_last,partner_load", [
+    pytest.param(EvictCall(), True, False, id="sbhd"),
+    pytest.param(EvictCall(qk=True), True, False, id="sbhd q + k"),
+    pytest.param(EvictCall(layout="thd"), True, False, id="thd"),
+    pytest.param(EvictCall(layout="bshd", batch=1), True, False, id="bshd one batch entry"),
+    pytest.param(EvictCall(layout="bshd"), False, False, id="bshd two batch entries"),
+    pytest.param(EvictCall(inplace=True), False, False, id="in place"),
+    pytest.param(EvictCall(dtype="bfloat16"), False, False, id="bfloat16"),
+    pytest.param(EvictCall(d=96), False, True, id="d96 NeoX (partner load)"),
+    pytest.param(EvictCall(d=96, interleaved=True), True, False, id="d96 GPT-J"),
+    pytest.param(EvictCall(d=64), True, False, id="d64")])
+def test_flat_kernel_x_evict_last_for_fp32_in_position_order(case, evict_last, partner_load):
     """fp32 calls out of place, full rotary, whose rows' positions never
     decrease through memory (no axis outside the sequence axis) load x with
     an L2 evict-last policy; a batch axis outside the sequence, in place,
@@ -693,35 +793,24 @@ def test_flat_kernel_x_evict_last_for_fp32_in_position_order(monkeypatch, case, 
     shipped."""
     from cupy_rope.validate import check_call
 
-    d, h, s, b, dtype, kw, layout, interleaved = 128, 8, 16, 2, "float32", {}, "sbhd", False
-    if case == "FLAT_X_EVICT_LAST off":
-        monkeypatch.setattr(launch, "FLAT_X_EVICT_LAST", False)
-    if case == "bfloat16":
-        dtype = "bfloat16"
-    if case.startswith("d96"):
-        d, interleaved = 96, "GPT-J" in case
-    if case.startswith("thd"):
-        layout, shape = "thd", (s, h, d)
-    elif case.startswith("bshd"):
-        layout, b = "bshd", 1 if "one" in case else 2
-        shape = (b, s, h, d)
-    else:
-        shape = (s, b, h, d)
-    if case == "sbhd q + k":
-        kw["k"] = _dense((s, b, 2, d), (0, 1, 2, 3), dtype, 1 << 45)
-        kw["out_k"] = _dense((s, b, 2, d), (0, 1, 2, 3), dtype, 1 << 46)
+    h, s, d, dtype, kw = 8, 16, case.d, case.dtype, {}
+    shape = {"thd": (s, h, d), "bshd": (case.batch, s, h, d), "sbhd": (s, case.batch, h, d)}[
+        case.layout]
+    if case.qk:
+        kw["k"] = _dense((s, case.batch, 2, d), (0, 1, 2, 3), dtype, 1 << 45)
+        kw["out_k"] = _dense((s, case.batch, 2, d), (0, 1, 2, 3), dtype, 1 << 46)
     order = tuple(range(len(shape)))
-    if case == "in place":
+    if case.inplace:
         kw["inplace"] = True
     else:
         kw["out"] = _dense(shape, order, dtype, 1 << 44)
     tab = _table(s, d // 2)
-    call = check_call(_dense(shape, order, dtype), cos=tab, sin=tab, layout=layout,
-                      interleaved=interleaved, **kw)
+    call = check_call(_dense(shape, order, dtype), cos=tab, sin=tab, layout=case.layout,
+                      interleaved=case.interleaved, **kw)
     spec = launch.choose_spec(call)
     assert spec.mapping == "flat"
     assert spec.x_evict_last == evict_last
-    assert spec.partner_load == (case == "d96 NeoX (partner load)")
+    assert spec.partner_load == partner_load
     if evict_last:
         assert spec in launch.shipped_specs()  # compiled on CPU CI too
 
@@ -741,15 +830,17 @@ def test_flat_kernel_early_tables_from_512_mib(s, early):
     assert (spec.mapping, spec.early_tables) == ("flat", early)
 
 
-@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("exact", [True, False], ids=["flat", "packet only"])
 @pytest.mark.parametrize("k_heads", [0, 8])
 def test_flat_kernel_slab_count(monkeypatch, exact, k_heads):
     """flat_kernel is compiled for the call's slab count (x alone: 1, q and
-    k: 2), whose first block is 0; with FLAT_EXACT_SLABS off, for any count
-    (0: each block picks its slab at run time)."""
+    k: 2), whose first block is 0; packet_kernel (flat_kernel not allowed)
+    takes any count (0: each block picks its slab at run time)."""
     from cupy_rope.validate import check_call
 
-    monkeypatch.setattr(launch, "FLAT_EXACT_SLABS", exact)
+    if not exact:
+        monkeypatch.setattr(launch, "POLICY", dataclasses.replace(
+            launch.POLICY, kernels=("packet", "rope")))
     b, s, h, d = 2, 16, 32, 128
     tab = _table(2 * s, d // 2)
     kw = {}
@@ -759,8 +850,10 @@ def test_flat_kernel_slab_count(monkeypatch, exact, k_heads):
     call = check_call(_dense((b, s, h, d), (0, 1, 2, 3), "bfloat16"), cos=tab, sin=tab,
                       out=_dense((b, s, h, d), (0, 1, 2, 3), "bfloat16", 1 << 44), **kw)
     spec = launch.choose_spec(call)
-    assert spec.mapping == "flat"
+    assert spec.mapping == ("flat" if exact else "packet")
     assert spec.slabs == ((2 if k_heads else 1) if exact else 0)
+    if not exact:
+        return
     # implied positions (0), table rows as the kernel's rule asks for them
     assert spec.name_expression().endswith(f", {spec.slabs}, 0, false, false>")
     geometry = launch.flat_geometry(call)

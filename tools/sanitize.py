@@ -225,13 +225,10 @@ def flat_rows():
                              interleaved=interleaved, inplace=inplace),
                         inplace_arrays=(0,) if inplace else ())
                     n += 1
-    # table rows asked for early (what calls of 512 MiB or more do), here for
-    # small ones: launch.FLAT_EARLY_TABLES_BYTES lowered to 0
+    # table rows asked for early (what large calls do), here for small ones:
+    # LaunchPolicy.flat_early_tables_bytes lowered to 0
     from cupy_rope import api, launch
-    shipped = launch.FLAT_EARLY_TABLES_BYTES
-    launch.FLAT_EARLY_TABLES_BYTES = 0
-    api.clear_plans()
-    try:
+    with launch.override_policy(flat_early_tables_bytes=0):
         for d in (64, 128):
             cos, sin = tables(d, 40)
             for interleaved in (False, True):
@@ -247,9 +244,6 @@ def flat_rows():
                 dict(cos=cos, sin=sin, layout="sbhd"))
             n += 1
         assert all(p.plan.spec.early_tables for p in api._plans.values())
-    finally:
-        launch.FLAT_EARLY_TABLES_BYTES = shipped
-        api.clear_plans()
     # fp32 rows in position order, out of place: x with an L2 evict-last policy
     for d in (64, 128, 256):
         cos, sin = tables(d, 40)
@@ -268,7 +262,7 @@ def flat_rows():
 
 @case
 def few_heads():
-    """Fewer than 4 heads: the one-head kernels (UNROLL 1)."""
+    """Fewer heads than LaunchPolicy.unroll: the one-head kernels (unroll 1)."""
     n = 0
     cos, sin = tables(64, 70)
     for dtype in ("float32", "bfloat16"):
