@@ -18,6 +18,7 @@
 #                                        benchmark, benchmark that tree too
 #                                        (same BENCH_ARGS, same GPU) and print
 #                                        benchmarks/compare.py's table of the two
+#   BASELINE_ARGS                        the old tree's benchmark flags (default BENCH_ARGS)
 #   COMPARE_ARGS                         flags of benchmarks/compare.py (--strict makes
 #                                        a flagged row fail the suite)
 set -uo pipefail
@@ -75,7 +76,7 @@ if [ -z "${SKIP_BENCH:-}" ] && [ -n "${BASELINE:-}" ]; then
   module=benchmarks.bench
   [ -f "$BASELINE/benchmarks/bench.py" ] || module=cupy_rope.bench
   (cd "$BASELINE" && PYTHONPATH=$BASELINE${site:+:$site} timeout "${BENCH_TIMEOUT:-240}" \
-    $PY -m $module --json "$OUT/bench-baseline.json" ${BENCH_ARGS:-}) \
+    $PY -m $module --json "$OUT/bench-baseline.json" ${BASELINE_ARGS:-${BENCH_ARGS:-}}) \
     > "$OUT/bench-baseline.log" 2>&1
   [ $? = 0 ] || status=1
   echo "baseline benchmark ($BASELINE, $module): log in $OUT/bench-baseline.log"
