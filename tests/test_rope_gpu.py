@@ -102,6 +102,11 @@ def test_matches_reference(rng, layout, interleaved, dtype, head_dim, fraction):
                                   {**src, **pos}, mode, backward)
 
 
+#: The table cases of test_general_paths whose one strided table is named.
+STRIDED_TABLE = {"cos_strided_sin_dense": "cos", "cos_dense_sin_strided": "sin"}
+TABLE_CASES = {"table_row_slice", "table_transposed", *STRIDED_TABLE}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 @pytest.mark.parametrize("case", ["last_dim_stride2", "misaligned", "table_row_slice",
@@ -129,8 +134,8 @@ def test_general_paths(rng, case, interleaved, dtype):
         src = {k: v[:, : r // 2] for k, v in src.items()}
     elif case == "table_transposed":
         kw_dev = {k: to_device(np.ascontiguousarray(v.T)).T for k, v in src.items()}
-    elif case in ("cos_strided_sin_dense", "cos_dense_sin_strided"):
-        strided_one = "cos" if case.startswith("cos_strided") else "sin"
+    elif case in STRIDED_TABLE:
+        strided_one = STRIDED_TABLE[case]
         kw_dev = {k: (to_device(np.repeat(v, 2, axis=1))[:, ::2] if k == strided_one
                       else to_device(v)) for k, v in src.items()}
     elif case == "odd_sizes":
@@ -138,7 +143,7 @@ def test_general_paths(rng, case, interleaved, dtype):
         x = rng.standard_normal((b, s, 7, d)).astype(np_dtype(dtype))
         x_dev = to_device(x)
         src = angle_sources(rng, dtype, r, rows)["table_f32"]
-    if "table" not in case and "cos" not in case:
+    if case not in TABLE_CASES:  # the cases above that build their own device tables
         kw_dev = dev(src)
     for mode in ("out", "inplace"):
         expected = oracle(x, **src, interleaved=interleaved)
