@@ -1013,10 +1013,11 @@ sections_interleaved
         self._bound = (("bound",) + tuple(key), tuple(ptrs)) if signed else None
         self._fixed = dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
                            head_dim=head_dim, cp_size=cp_size, cp_rank=cp_rank,
-                           sections=sections, sections_interleaved=sections_interleaved)
-        # The options every op's tuple starts with (_COMMON_OPTIONS).
+                           sections=o.sections, sections_interleaved=sections_interleaved)
+        # The options every op's tuple starts with (_COMMON_OPTIONS); the checked
+        # sections, so that an array given for them still keys a cached plan.
         self._common = (layout, interleaved, rotary_dim, head_dim, cp_size, cp_rank,
-                        _key_sections(sections), sections_interleaved)
+                        _key_sections(o.sections), sections_interleaved)
         # qk_'s own plans, keyed by the q, k, positions signatures alone.
         self._fast = {} if signed else None
         self._qk_options = self._common + (True, False)  # inplace, not backward

@@ -105,7 +105,9 @@ def override_policy(**fields):
 
     Clears the cached plans on entry and exit (``cupy_rope.api.clear_plans``),
     so that calls inside the block are planned under the new policy and calls
-    after it under the restored one. Not thread-safe: for tests and tools.
+    after it under the restored one. A RotaryEmbedding keeps the ``qk_``
+    launchers it made before: build it inside the block. Not thread-safe: for
+    tests and tools.
 
     Parameters
     ----------
@@ -273,7 +275,7 @@ def _max_heads(call: Call) -> int:
     """The most heads per token of any slab; raises beyond :data:`MAX_HEADS`."""
     max_heads = max(sl.heads for sl in call.slabs)
     if max_heads >= MAX_HEADS:
-        name = ("x", "k", "v")[[sl.heads for sl in call.slabs].index(max_heads)]
+        name = next(sl.name for sl in call.slabs if sl.heads == max_heads)
         raise ValueError(f"{name}: {max_heads} heads per token; at most {MAX_HEADS - 1} are "
                          "supported (the kernel counts heads in 32 bits)")
     return max_heads

@@ -363,6 +363,10 @@ def _cu_seqlens_tensor(cu_seqlens, x, layout, cp_size):
     host = torch.from_numpy(np.array(cu_seqlens))  # a copy: the caller may reuse theirs
     if not isinstance(x, Tensor) or x.device.type == "cpu" or layout != "thd":
         return host  # checked by the library, as any host cu_seqlens
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        raise ValueError("cu_seqlens: a NumPy array is copied to the GPU on every call, which "
+                         "torch.compile and CUDA-graph capture cannot record; pass a device "
+                         "tensor")
     check_cu_seqlens(describe(host, "cu_seqlens"), x.shape[0], cp_size)
     return host.to(x.device, non_blocking=True)
 

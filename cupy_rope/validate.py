@@ -375,11 +375,16 @@ def host_offset(offsets) -> Optional[int]:
     ``offsets``, else None: such an array is a scalar offset, as an int is."""
     if getattr(offsets, "ndim", None) != 0 or isinstance(offsets, np.generic):
         return None
+    # Device arrays are told apart without a description: cached calls with a
+    # device 0-d offsets array pass through here.
+    if type(offsets) is not np.ndarray and (getattr(offsets, "is_cuda", False)
+                                            or hasattr(offsets, "__cuda_array_interface__")):
+        return None
     try:
         t = describe(offsets, "offsets")
     except (TypeError, ValueError):
         return None
-    if t.on_gpu or not t.dtype.startswith(("int", "uint")):
+    if t.on_gpu or t.dtype not in INDEX_DTYPES:
         return None
     return int(_host_values(t))
 
@@ -434,8 +439,8 @@ def check_bound(tables, options: Options) -> Options:
     # Without head_dim the head's size is x's: no upper bound on rotary_dim yet.
     head_dim = options.head_dim if options.head_dim is not None else MAX_INDEX
     rotary_dim = _rotary_dim(options.rotary_dim, angles.width, head_dim, angles.name)
-    _sections(options.sections, options.sections_interleaved, rotary_dim)
-    return options
+    sections = _sections(options.sections, options.sections_interleaved, rotary_dim)
+    return options._replace(sections=tuple(sections) if options.sections is not None else None)
 
 
 def check_context_parallel(cp_size, cp_rank) -> tuple:

@@ -288,7 +288,7 @@ def test_offsets_that_are_no_int_or_array_say_what_is_expected(value, name):
             lambda: cupy_rope.apply_rope(a["x"], a["cos"], a["sin"], offsets=value))
 
 
-@pytest.mark.parametrize("zero_d", [np.array(3), np.array(3, np.int32), np.array(3, np.uint8)])
+@pytest.mark.parametrize("zero_d", [np.array(3), np.array(3, np.int32)], ids=["int64", "int32"])
 def test_host_0d_integer_offsets_are_a_scalar_offset(zero_d):
     a = arrays()
     want = cupy_rope.apply_rope(a["x"], a["cos"], a["sin"], offsets=3)
@@ -309,6 +309,9 @@ def test_host_0d_offsets_are_checked_as_an_int():
             lambda: cupy_rope.apply_rope(a["x"], a["cos"], a["sin"], offsets=np.array(30)))
     refused(TypeError, "offsets: expected dtype int32 or int64, got float64",
             lambda: cupy_rope.apply_rope(a["x"], a["cos"], a["sin"], offsets=np.array(1.5)))
+    # the dtype rule of offsets arrays holds for 0-d ones too
+    refused(TypeError, "offsets: expected dtype int32 or int64, got uint8",
+            lambda: cupy_rope.apply_rope(a["x"], a["cos"], a["sin"], offsets=np.array(3, np.uint8)))
 
 
 def test_torch_cpu_0d_offsets():
