@@ -27,46 +27,44 @@ program, like ``layout``); ``positions`` is a traced array.
 
 How the kernel gets into an XLA program
 ---------------------------------------
-``jax.experimental.buffer_callback`` (JAX >= 0.7). The op lowers to an XLA
-FFI custom call (target ``xla_buffer_python_gpu_callback``) that, when the
-compiled program reaches it, calls our Python function on the host thread
-that is enqueueing XLA's work, with an ``ExecutionContext`` whose ``stream``
-is XLA's CUDA stream for this computation, the output buffers XLA has
-already allocated, and the input buffers, all as
-``jax.experimental.buffer_callback.Buffer`` objects (device pointers exposed
-through ``__cuda_array_interface__`` and ``__dlpack__``). We wrap them as CuPy
-arrays over XLA's memory (no copy), make CuPy's current stream that XLA
-stream (``cupy.cuda.Stream.from_external``) and launch the NVRTC kernel
-writing straight into XLA's output buffer. Nothing synchronizes and no data
-leaves the device (jaxlib's handler only wraps the buffers and calls Python;
-unlike ``pure_callback`` it copies nothing and does not synchronize the
-stream): the kernel is ordered after the producers of its inputs and before
-its consumers by the stream itself. The same path serves eager calls (JAX
-compiles the single op) and ``jax.jit``. Checked on an H100 (the figures
-are in ``docs/performance.md``): inside a jitted program whose long matmul
-chain produces the op's input, the callback runs long before the chain ends
-(so nothing waited for it) and its kernel still reads the final input, call
-after call with new data.
+Two paths; which one a call takes is decided when XLA lowers it (eager calls
+are lowered too: JAX compiles the single op).
 
-Alternatives considered:
+1. The fast path (:mod:`cupy_rope.xla`), for CUDA: an XLA custom call to
+   jaxlib's launcher for compiled GPU kernels (the one Pallas uses,
+   ``triton_kernel_call_ffi``). The library plans the call at lowering time
+   from the shapes and options (the same plan as for CuPy arrays), NVRTC
+   compiles the kernel once per plan with an entry the launcher can call
+   (the plan's fixed parameters in constant memory), and XLA then
+   launches it on its own stream on every execution: no Python runs and
+   nothing synchronizes.
+2. ``jax.experimental.buffer_callback`` (JAX >= 0.7), the fallback: target
+   ``xla_buffer_python_gpu_callback``, a Python function called on the host
+   thread enqueueing XLA's work with XLA's stream and buffers; we wrap the
+   buffers as CuPy arrays (no copy), make XLA's stream CuPy's current one and
+   launch the same kernel there. It costs host time per op (the GIL, the
+   library's argument checks) and is not marked ``command_buffer_compatible``.
 
-- ``jax.ffi.ffi_call`` needs an XLA FFI handler: a C function compiled against
-  ``xla/ffi/api/ffi.h`` and registered through a PyCapsule. This package has
-  no compiled host code (the kernels are compiled by NVRTC at run time), so
-  there is no handler to register from pure Python; ``buffer_callback`` is
-  exactly JAX's built-in handler that forwards to Python.
-- ``jax.pure_callback`` copies every operand to host memory and the result
-  back, and synchronizes the device; unacceptable inside ``jit``, not used.
+Which calls take which path: the fast path serves every op (``rope``,
+``rope_qk``, ``rope_qkv``, their backward and second order, M-RoPE, thd,
+``jax.vmap``) on a process that sees a single GPU of compute capability 7.0
+or newer, with a jaxlib that ships the launcher, for dtypes CuPy has
+(bfloat16 from CuPy 14). The callback serves the rest: CPU arrays (the
+library's float64 NumPy reference), several visible GPUs, any call the
+fast path's planning or compile refuses (``cupy_rope.xla.last_refusal``
+says why), and every call while ``CUPY_ROPE_JAX_LAUNCH=callback`` is set.
+Both paths order the kernel on XLA's stream, after the producers of its
+inputs and before its consumers, with no host round trip.
 
-Limits: the callback holds the GIL while it checks arguments and launches
-(host time per op, on XLA's dispatching thread); it is not marked
-``command_buffer_compatible`` (XLA would record the launch once into a CUDA
-graph and replay it with the first call's pointers), so XLA runs it outside
-its command buffers; under ``jax.vmap`` each op runs once per mapped
-element (a loop of launches: for speed, fold the mapped axis into the
-batch axis instead); forward-mode differentiation (``jax.jvp``) is not supported
-(``custom_vjp``); a single device per call (no sharding rule). CPU arrays run
-the library's float64 NumPy reference inside the callback.
+Alternatives considered: ``jax.ffi.ffi_call`` needs an XLA FFI handler, a C
+function compiled against ``xla/ffi/api/ffi.h`` (this package has no
+compiled host code); ``jax.pure_callback`` copies every operand to host
+memory and back and synchronizes the device.
+
+Limits: under ``jax.vmap`` each op runs once per mapped element (a loop of
+launches: for speed, fold the mapped axis into the batch axis instead);
+forward-mode differentiation (``jax.jvp``) is not supported (``custom_vjp``);
+a single device per call (no sharding rule).
 """
 
 from __future__ import annotations
@@ -82,7 +80,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import api, validate
+from . import api, validate, xla
 from .validate import _as_int
 
 __all__ = ["rope", "rope_qk", "rope_qkv", "apply_rope", "apply_rope_qk", "apply_rope_qkv"]
@@ -264,11 +262,20 @@ def _callback(op: str, static: _Static, backward: bool):
     return callback
 
 
-def _kernel_op(callback, result):
-    """The XLA op of ``callback``. Under ``jax.vmap`` it runs once per mapped
-    element (``vmap_method="sequential"``): correct for any batching of its
-    arguments, one launch per element."""
-    return buffer_callback(callback, result, vmap_method="sequential")
+_N_DATA = {"rope": 1, "rope_qk": 2, "rope_qkv": 1, "rope_qkv_backward": 3}
+
+
+def _kernel_op(op, static, backward, result):
+    """The XLA op launching ``op``'s kernel: on CUDA, jaxlib's kernel launcher
+    where :mod:`cupy_rope.xla` serves the call, else the Python callback
+    through ``buffer_callback`` (``CUPY_ROPE_JAX_LAUNCH=callback``: always).
+    Under ``jax.vmap`` it runs once per mapped element: correct for any
+    batching of its arguments, one launch per element."""
+    callback = _callback(op, static, backward)
+    fast = None
+    if xla.MODE == "xla":
+        fast = xla.kernel_op(op, static, backward, _N_DATA[op], callback, result)
+    return fast or buffer_callback(callback, result, vmap_method="sequential")
 
 
 def _flag(v, name):
@@ -283,7 +290,7 @@ def _spec(a):
 
 # ---------------------------------------------------------------------- rope --
 def _rope_impl(static, backward, x, arrays):
-    return _kernel_op(_callback("rope", static, backward), _spec(x))(x, *arrays)
+    return _kernel_op("rope", static, backward, _spec(x))(x, *arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -368,8 +375,7 @@ def rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, of
 
 # ------------------------------------------------------------------- q and k --
 def _rope_qk_impl(static, backward, q, k, arrays):
-    return tuple(_kernel_op(_callback("rope_qk", static, backward),
-                                 (_spec(q), _spec(k)))(q, k, *arrays))
+    return tuple(_kernel_op("rope_qk", static, backward, (_spec(q), _spec(k)))(q, k, *arrays))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -471,7 +477,7 @@ def _qkv_impl(static, qkv, arrays, hq, hk, head_dim, layout):
     outs = (jax.ShapeDtypeStruct(tokens + (hq, d), qkv.dtype),
             jax.ShapeDtypeStruct(tokens + (hk, d), qkv.dtype),
             jax.ShapeDtypeStruct(tokens + (hk, d), qkv.dtype))
-    return tuple(_kernel_op(_callback("rope_qkv", static, False), outs)(qkv, *arrays))
+    return tuple(_kernel_op("rope_qkv", static, False, outs)(qkv, *arrays))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -496,7 +502,7 @@ _rope_qkv.defvjp(_rope_qkv_fwd, _rope_qkv_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _rope_qkv_backward(static, bwd_static, geometry, dq, dk, dv, arrays):
     out = jax.ShapeDtypeStruct(geometry[4], dq.dtype)
-    return _kernel_op(_callback("rope_qkv_backward", bwd_static, True), out)(
+    return _kernel_op("rope_qkv_backward", bwd_static, True, out)(
         dq, dk, dv, *arrays)
 
 

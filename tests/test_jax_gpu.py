@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -142,11 +144,28 @@ def check(ours, ref, args, dtype, what, jit=False):
         assert_close(np.asarray(g.astype(jnp.float32)), np.asarray(r), dtype, f"{what} grad{i}")
 
 
+class launch_mode:
+    """Within the block, cupy_rope.jax lowers its ops by ``mode`` ("xla":
+    the fast path where it serves; "callback": buffer_callback)."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        self.saved, crj.xla.MODE = crj.xla.MODE, self.mode
+
+    def __exit__(self, *exc):
+        crj.xla.MODE = self.saved
+
+
 # ------------------------------------------------------------------ tests --
 def test_lowers_to_the_buffer_callback_not_a_host_callback():
+    """Where the fast path does not serve (CUPY_ROPE_JAX_LAUNCH=callback
+    here), the op is the buffer callback, never a host round trip."""
     t = tables(64)
     x = randn(0, (1, 8, 2, 64), "float32")
-    hlo = jax.jit(lambda x: crj.rope(x, t["cos"], t["sin"])).lower(x).as_text()
+    with launch_mode("callback"):
+        hlo = jax.jit(lambda x: crj.rope(x, t["cos"], t["sin"])).lower(x).as_text()
     assert "xla_buffer_python_gpu_callback" in hlo
     assert "pure_callback" not in hlo and "xla_python_gpu_callback" not in hlo
 
@@ -452,3 +471,156 @@ def test_one_row_of_positions(jit):
     x = randn(34, (2, 12, 4, 64), "float32")
     check(lambda x: crj.rope(x, **kw), lambda x: ref_rope(x, **kw), [x], "float32",
           "rope M-RoPE [3, 1, s]", jit)
+
+
+# ------------------------------- issue 33: launched by XLA, no Python at run --
+FAST_TARGETS = ("triton_kernel_call_ffi", "triton_kernel_call")
+CALLBACK_TARGET = "xla_buffer_python_gpu_callback"
+
+
+def fast_path_or_skip():
+    if crj.xla.launcher() is None:
+        pytest.skip("this jaxlib has no GPU kernel launcher (gpu_triton)")
+    if len([d for d in jax.devices() if d.platform == "gpu"]) != 1:
+        pytest.skip("the fast path serves a single visible GPU")
+
+
+def fast_cases():
+    """(id, function, arguments, reference) for calls the fast path serves:
+    the benchmark's shapes (smaller batches), q+k, qkv, thd decode, M-RoPE."""
+    t = tables(128, rows=512)
+    cs = dict(cos=t["cos"], sin=t["sin"])
+    pos = jax.random.randint(jax.random.PRNGKey(40), (64,), 0, 500, jnp.int32)
+    x1 = randn(41, (512, 1, 16, 128), "bfloat16")
+    x2 = randn(42, (256, 4, 24, 128), "bfloat16")
+    q, k = randn(43, (2, 256, 32, 128), "bfloat16"), randn(44, (2, 256, 8, 128), "bfloat16")
+    qd, kd = randn(45, (64, 32, 128), "bfloat16"), randn(46, (64, 8, 128), "bfloat16")
+    qkv = randn(47, (2, 128, 12 * 128), "bfloat16")
+    mk = mrope_kwargs("mrope", (2, 64))
+    xm = randn(48, (2, 64, 8, 64), "float32")
+    return [
+        ("sbhd", lambda x: crj.rope(x, layout="sbhd", **cs), [x1],
+         lambda x: ref_rope(x, layout="sbhd", **cs)),
+        ("sbhd-batch", lambda x: crj.rope(x, layout="sbhd", **cs), [x2],
+         lambda x: ref_rope(x, layout="sbhd", **cs)),
+        ("qk-prefill", lambda q, k: crj.rope_qk(q, k, **cs), [q, k],
+         lambda q, k: (ref_rope(q, **cs), ref_rope(k, **cs))),
+        ("qk-decode-thd", lambda q, k: crj.rope_qk(q, k, positions=pos, layout="thd", **cs),
+         [qd, kd], lambda q, k: (ref_rope(q, positions=pos, layout="thd", **cs),
+                                 ref_rope(k, positions=pos, layout="thd", **cs))),
+        ("qkv", lambda a: crj.rope_qkv(a, num_q_heads=8, num_kv_heads=2, **cs), [qkv],
+         lambda a: (ref_rope(a.reshape(2, 128, 12, 128)[:, :, :8], **cs),
+                    ref_rope(a.reshape(2, 128, 12, 128)[:, :, 8:10], **cs),
+                    a.reshape(2, 128, 12, 128)[:, :, 10:])),
+        ("mrope", lambda x: crj.rope(x, **mk), [xm], lambda x: ref_rope(x, **mk)),
+    ]
+
+
+FAST_IDS = ["sbhd", "sbhd-batch", "qk-prefill", "qk-decode-thd", "qkv", "mrope"]
+
+
+def _case(name):
+    return next(c for c in fast_cases() if c[0] == name)
+
+
+def _loss(fn):
+    def f(*a):
+        r = fn(*a)
+        r = r if isinstance(r, tuple) else (r,)
+        return sum(jnp.sum(o.astype(jnp.float32) ** 2 * 0.5 + o.astype(jnp.float32))
+                   for o in r)
+    return f
+
+
+@pytest.mark.parametrize("name", FAST_IDS)
+def test_fast_path_lowering_has_no_python_callback(name):
+    """Forward, jax.grad and grad of grad lower to jaxlib's kernel launcher
+    and to no Python callback."""
+    fast_path_or_skip()
+    _, fn, args, _ = _case(name)
+    grad = jax.grad(_loss(fn), argnums=tuple(range(len(args))))
+    second = jax.grad(lambda *a: sum(jnp.sum(g.astype(jnp.float32))
+                                     for g in grad(*a)), argnums=0)
+    with launch_mode("xla"):
+        for what, f in (("forward", fn), ("grad", grad), ("grad of grad", second)):
+            crj.xla.last_refusal[0] = ""
+            hlo = jax.jit(f).lower(*args).as_text()
+            assert any(t in hlo for t in FAST_TARGETS), (what, crj.xla.last_refusal[0])
+            assert CALLBACK_TARGET not in hlo, (what, crj.xla.last_refusal[0])
+
+
+class _Counting:
+    """Counts the library calls the buffer callback makes (none on the fast path)."""
+
+    NAMES = ("apply_rope", "apply_rope_qk", "apply_rope_qkv", "apply_rope_qkv_backward")
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        for n in self.NAMES:
+            real = getattr(crj.api, n)
+            monkeypatch.setattr(crj.api, n, self._wrap(real))
+
+    def _wrap(self, real):
+        @functools.wraps(real)  # the same signature (rope_qkv reads it)
+        def counted(*a, **kw):
+            self.calls += 1
+            return real(*a, **kw)
+        return counted
+
+
+@pytest.mark.parametrize("name", FAST_IDS)
+def test_fast_path_runs_no_python_and_equals_the_callback(name, monkeypatch):
+    """Jitted and eager, forward and jax.grad: no Python runs at execution
+    time (the library is never called), and the results are bitwise those
+    of the callback path (the same kernel), and close to the reference."""
+    fast_path_or_skip()
+    _, fn, args, ref = _case(name)
+    grad = jax.grad(_loss(fn), argnums=tuple(range(len(args))))
+    counting = _Counting(monkeypatch)
+    with launch_mode("xla"):
+        fast = [jax.jit(fn)(*args), jax.jit(grad)(*args), fn(*args)]
+        jax.block_until_ready(fast)
+    assert counting.calls == 0
+    with launch_mode("callback"):  # fresh functions: nothing traced above is reused
+        slow = [jax.jit(lambda *a: fn(*a))(*args), jax.jit(lambda *a: grad(*a))(*args)]
+        jax.block_until_ready(slow)
+    assert counting.calls > 0  # the control: the counter sees the callback
+    for got, want in zip(jax.tree_util.tree_leaves(fast[:2]), jax.tree_util.tree_leaves(slow)):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                      np.asarray(want.astype(jnp.float32)), err_msg=name)
+    outs = fast[2] if isinstance(fast[2], tuple) else (fast[2],)
+    refs = ref(*[a.astype(jnp.float32) for a in args])
+    refs = refs if isinstance(refs, tuple) else (refs,)
+    for o, r in zip(outs, refs):
+        assert_close(np.asarray(o.astype(jnp.float32)), np.asarray(r), str(args[0].dtype), name)
+
+
+def test_fast_path_vmap_and_ordering(monkeypatch):
+    """vmap (one launch per element) and a producer chain on XLA's stream,
+    with no Python at execution time."""
+    fast_path_or_skip()
+    # Rows for every position: 64 tokens plus offsets up to 9 (a position
+    # past the table gives NaN in the kernel, a clamped row in the reference).
+    t = tables(128, rows=128)
+    counting = _Counting(monkeypatch)
+    xs = randn(50, (3, 2, 64, 8, 128), "float32")
+    offs = jnp.array([0, 4, 9], jnp.int32)
+    f = lambda x, o: crj.rope(x, t["cos"], t["sin"], offsets=o)  # noqa: E731
+    want = jnp.stack([ref_rope(xs[i], t["cos"], t["sin"], offsets=jnp.full((2,), int(offs[i])))
+                      for i in range(3)])
+
+    @jax.jit
+    def chain(a, x):
+        a = jax.lax.fori_loop(0, 30, lambda i, a: jnp.tanh(a @ a) * 0.999, a)
+        x = x + a[:4, :1, None, None] * 1e-3
+        return crj.rope(x, inv_freq=t["inv_freq"]) * 3.0, x
+
+    with launch_mode("xla"):
+        assert_close(np.asarray(jax.jit(jax.vmap(f))(xs, offs)), np.asarray(want), "float32",
+                     "vmap")
+        a = randn(51, (4096, 4096), "float32") * 0.02
+        for i in range(3):
+            y, x_used = chain(a, randn(52 + i, (4, 512, 8, 128), "float32"))
+            assert_close(np.asarray(y), np.asarray(ref_rope(x_used, inv_freq=t["inv_freq"]) * 3),
+                         "float32", f"ordered, call {i}")
+    assert counting.calls == 0

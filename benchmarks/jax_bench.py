@@ -1,0 +1,278 @@
+"""JAX under ``jit``: cupy-rope against the ``jnp`` formula XLA fuses (issue 33).
+
+``python -m benchmarks.jax_bench`` (a GPU; about a minute) prints, per row,
+microseconds per call of back-to-back calls of one jitted function (the
+median of several rounds), forward and ``jax.vjp`` (the backward given a
+cotangent):
+
+- ``copy``: XLA negating the row's inputs (the same bytes read and written),
+  the memory roofline measured in the same run;
+- ``formula``: the rotation written with ``jnp`` (cos/sin rows gathered at
+  the positions), which XLA fuses into one kernel;
+- ``cupy-rope``: :mod:`cupy_rope.jax` as it lowers here, and the ``path``
+  it took (``xla``: jaxlib's kernel launcher, no Python at execution time;
+  ``callback``: ``buffer_callback``);
+- ``callback``: cupy-rope forced onto ``buffer_callback``
+  (``CUPY_ROPE_JAX_LAUNCH=callback``), for comparison.
+
+Rows: bf16 sbhd [4096,1,128,128] and [512,32,24,128]; Llama-3-8B prefill q
+[4,4096,32,128] + k [4,4096,8,128] in one call; a decode step (64 tokens, thd,
+q32/k8, at positions into [8192, 64] tables); and a jitted 8-layer toy model
+(projections, RoPE, ``jax.nn.dot_product_attention``), forward and a
+gradient step, with the formula and with cupy-rope.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+import cupy_rope.jax as crj
+
+F32 = jnp.float32
+
+
+class Row(NamedTuple):
+    """One benchmark row: its inputs and the function of each implementation."""
+
+    name: str
+    args: tuple  # the data arrays (x, or q and k)
+    formula: Callable
+    ours: Callable
+
+
+def tables(rows: int, d: int):
+    inv = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
+    theta = np.arange(rows)[:, None] * inv
+    return jnp.asarray(np.cos(theta), F32), jnp.asarray(np.sin(theta), F32)
+
+
+def rotate(x, c, s):
+    """The NeoX rotation of x [..., d] by angles whose cos, sin broadcast as [..., d/2]."""
+    h = x.shape[-1] // 2
+    a, b = x[..., :h].astype(F32), x[..., h:].astype(F32)
+    return jnp.concatenate([a * c - b * s, b * c + a * s], -1).astype(x.dtype)
+
+
+def bf16(key: int, shape):
+    return jax.random.normal(jax.random.PRNGKey(key), shape, F32).astype(jnp.bfloat16)
+
+
+# ------------------------------------------------------------------- rows --
+def sbhd_row(shape) -> Row:
+    cos, sin = tables(shape[0], shape[-1])
+    c, s = cos[:, None, None, :], sin[:, None, None, :]
+    return Row(f"sbhd {list(shape)}", (bf16(0, shape),),
+               lambda x: rotate(x, c, s),
+               lambda x: crj.rope(x, cos, sin, layout="sbhd"))
+
+
+def prefill_row() -> Row:
+    b, t, d = 4, 4096, 128
+    cos, sin = tables(t, d)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return Row("Llama-3-8B prefill q+k", (bf16(1, (b, t, 32, d)), bf16(2, (b, t, 8, d))),
+               lambda q, k: (rotate(q, c, s), rotate(k, c, s)),
+               lambda q, k: crj.rope_qk(q, k, cos, sin))
+
+
+def decode_row(tokens: int = 64) -> Row:
+    cos, sin = tables(8192, 128)
+    pos = jnp.asarray(np.random.default_rng(0).integers(0, 8192, tokens), jnp.int32)
+
+    def formula(q, k):
+        c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+        return rotate(q, c, s), rotate(k, c, s)
+
+    return Row(f"decode step, {tokens} tokens q+k", (bf16(3, (tokens, 32, 128)),
+                                                      bf16(4, (tokens, 8, 128))),
+               formula, lambda q, k: crj.rope_qk(q, k, cos, sin, positions=pos, layout="thd"))
+
+
+# ----------------------------------------------------------------- timing --
+def per_call_us(f, args, rounds: int = 5, target_s: float = 0.05) -> float:
+    """Median over ``rounds`` of the time per call of back-to-back calls."""
+    jax.block_until_ready(f(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    n = int(min(2000, max(10, target_s / max(time.perf_counter() - start, 1e-6))))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / n)
+    return statistics.median(times) * 1e6
+
+
+def interleaved_us(variants, rounds: int = 9, target_s: float = 0.02) -> list:
+    """Median time per call of each ``(f, args)``, timed in interleaved rounds
+    (each round one pass of every variant in turn), so that a slow phase of
+    the host falls on all of them alike."""
+    counts = []
+    for f, args in variants:
+        jax.block_until_ready(f(*args))
+        start = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        counts.append(int(min(2000, max(10, target_s / max(time.perf_counter() - start, 1e-6)))))
+    times = [[] for _ in variants]
+    for _ in range(rounds):
+        for i, ((f, args), n) in enumerate(zip(variants, counts)):
+            start = time.perf_counter()
+            for _ in range(n):
+                out = f(*args)
+            jax.block_until_ready(out)
+            times[i].append((time.perf_counter() - start) / n)
+    return [statistics.median(t) * 1e6 for t in times]
+
+
+def vjp_of(fn):
+    """The jitted backward of ``fn``: its vjp applied to a cotangent."""
+    return jax.jit(lambda args, cts: jax.vjp(fn, *args)[1](cts))
+
+
+def path_of(fn, args) -> str:
+    hlo = jax.jit(fn).lower(*args).as_text()
+    if "triton_kernel_call" in hlo:
+        return "xla"
+    return "callback" if "xla_buffer_python_gpu_callback" in hlo else "?"
+
+
+def with_mode(mode, make):
+    """``make()`` with cupy-rope lowering by ``mode`` (traced and compiled inside)."""
+    saved, crj.xla.MODE = crj.xla.MODE, mode
+    try:
+        return make()
+    finally:
+        crj.xla.MODE = saved
+
+
+def max_difference(row: Row) -> float:
+    """The largest |cupy-rope - formula| over the row's outputs."""
+    got = jax.tree_util.tree_leaves(jax.jit(row.ours)(*row.args))
+    want = jax.tree_util.tree_leaves(jax.jit(row.formula)(*row.args))
+    return max(float(jnp.max(jnp.abs(a.astype(F32) - b.astype(F32)))) for a, b in zip(got, want))
+
+
+def time_row(row: Row) -> list:
+    """[(direction, copy, formula, ours, path, callback)] for ``row``."""
+    args = row.args
+    copy = jax.jit(lambda *a: tuple(-x for x in a))
+    cts = tuple(jnp.ones_like(a) for a in args)
+    cts = cts[0] if len(cts) == 1 else cts
+    out = []
+    fwd = [jax.jit(row.formula), jax.jit(row.ours)]
+    bwd = [vjp_of(row.formula), vjp_of(row.ours)]
+    # fresh functions: a program traced or compiled for the other mode is not reused
+    slow_f = with_mode("callback", lambda: jax.jit(lambda *a: row.ours(*a)).lower(*args)
+                       .compile())
+    slow_b = with_mode("callback", lambda: vjp_of(lambda *a: row.ours(*a)).lower(args, cts)
+                       .compile())
+    path = path_of(row.ours, args)
+    c, f, o, cb = interleaved_us([(copy, args), (fwd[0], args), (fwd[1], args), (slow_f, args)])
+    out.append(("forward", c, f, o, path, cb))
+    b_args = (args, cts)
+    c, f, o, cb = interleaved_us([(copy, args), (bwd[0], b_args), (bwd[1], b_args),
+                                  (slow_b, b_args)])
+    out.append(("vjp", c, f, o, path, cb))
+    return out
+
+
+# -------------------------------------------------------------- toy model --
+class ToyModel(NamedTuple):
+    """An 8-layer attention stack: per layer q, k, v projections, RoPE on q
+    and k, causal ``jax.nn.dot_product_attention`` (GQA), output projection
+    and residual."""
+
+    batch: int = 2
+    tokens: int = 2048
+    width: int = 2048
+    q_heads: int = 16
+    kv_heads: int = 4
+    head_dim: int = 128
+    layers: int = 8
+
+    def params(self):
+        d, hd = self.width, self.head_dim
+        shapes = [(d, self.q_heads * hd), (d, self.kv_heads * hd), (d, self.kv_heads * hd),
+                  (self.q_heads * hd, d)]
+        return [[bf16(100 + 4 * i + j, s) * (1.0 / np.sqrt(s[0])) for j, s in enumerate(shapes)]
+                for i in range(self.layers)]
+
+    def step(self, rope_qk):
+        b, t, hd = self.batch, self.tokens, self.head_dim
+
+        def forward(params, h):
+            for wq, wk, wv, wo in params:
+                q = (h @ wq).reshape(b, t, self.q_heads, hd)
+                k = (h @ wk).reshape(b, t, self.kv_heads, hd)
+                v = (h @ wv).reshape(b, t, self.kv_heads, hd)
+                q, k = rope_qk(q, k)
+                a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+                h = h + a.reshape(b, t, self.q_heads * hd) @ wo
+            return h
+
+        return forward
+
+
+def model_rows(model: ToyModel = ToyModel()) -> list:
+    """[(direction, formula, ours, path, callback)] of the toy model."""
+    cos, sin = tables(model.tokens, model.head_dim)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    formula = model.step(lambda q, k: (rotate(q, c, s), rotate(k, c, s)))
+
+    def make_ours():
+        return model.step(lambda q, k: crj.rope_qk(q, k, cos, sin))
+
+    params, h = model.params(), bf16(99, (model.batch, model.tokens, model.width))
+
+    def grad_of(fwd):
+        return jax.jit(jax.grad(lambda p, x: jnp.sum(fwd(p, x).astype(F32) ** 2)))
+
+    ours = make_ours()
+    path = path_of(ours, (params, h))
+    slow_f = with_mode("callback", lambda: jax.jit(make_ours()).lower(params, h).compile())
+    slow_g = with_mode("callback", lambda: grad_of(make_ours()).lower(params, h).compile())
+    args = (params, h)
+    return [("forward", per_call_us(jax.jit(formula), args), per_call_us(jax.jit(ours), args),
+             path, per_call_us(slow_f, args)),
+            ("grad step", per_call_us(grad_of(formula), args), per_call_us(grad_of(ours), args),
+             path, per_call_us(slow_g, args))]
+
+
+# ------------------------------------------------------------------- main --
+def main(argv=None) -> None:
+    """Print the table (module docstring); ``--no-model`` skips the toy model."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-model", action="store_true", help="skip the toy model rows")
+    opts = parser.parse_args(argv)
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; microseconds per call "
+          "(median of 9 interleaved rounds of back-to-back calls); ours/formula < 1 is faster")
+    print("| row | direction | copy | formula | cupy-rope | ours/formula | path | callback "
+          "| max diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = [sbhd_row((4096, 1, 128, 128)), sbhd_row((512, 32, 24, 128)), prefill_row(),
+            decode_row(64), decode_row(1)]
+    for row in rows:
+        diff = max_difference(row)
+        for direction, copy, formula, ours, path, slow in time_row(row):
+            print(f"| {row.name} | {direction} | {copy:.1f} | {formula:.1f} | {ours:.1f} | "
+                  f"{ours / formula:.3f} | {path} | {slow:.1f} | {diff:.3g} |", flush=True)
+    if crj.xla.last_refusal[0]:
+        print(f"# last call the fast path refused: {crj.xla.last_refusal[0]}")
+    if not opts.no_model:
+        for direction, formula, ours, path, slow in model_rows():
+            print(f"| toy model, 8 layers | {direction} | - | {formula:.1f} | {ours:.1f} | "
+                  f"{ours / formula:.3f} | {path} | {slow:.1f} | - |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
