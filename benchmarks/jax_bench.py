@@ -66,10 +66,10 @@ def bf16(key: int, shape):
 
 
 # ------------------------------------------------------------------- rows --
-def sbhd_row(shape) -> Row:
+def sbhd_row(shape, label: str = "sbhd") -> Row:
     cos, sin = tables(shape[0], shape[-1])
     c, s = cos[:, None, None, :], sin[:, None, None, :]
-    return Row(f"sbhd {list(shape)}", (bf16(0, shape),),
+    return Row(f"{label} {list(shape)}", (bf16(0, shape),),
                lambda x: rotate(x, c, s),
                lambda x: crj.rope(x, cos, sin, layout="sbhd"))
 
@@ -113,7 +113,10 @@ def per_call_us(f, args, rounds: int = 5, target_s: float = 0.05) -> float:
     return statistics.median(times) * 1e6
 
 
-def interleaved_us(variants, rounds: int = 9, target_s: float = 0.02) -> list:
+ROUNDS = [9]  # interleaved rounds per timing (--rounds)
+
+
+def interleaved_us(variants, rounds: int = 0, target_s: float = 0.02) -> list:
     """Median time per call of each ``(f, args)``, timed in interleaved rounds
     (each round one pass of every variant in turn), so that a slow phase of
     the host falls on all of them alike."""
@@ -124,7 +127,7 @@ def interleaved_us(variants, rounds: int = 9, target_s: float = 0.02) -> list:
         jax.block_until_ready(f(*args))
         counts.append(int(min(2000, max(10, target_s / max(time.perf_counter() - start, 1e-6)))))
     times = [[] for _ in variants]
-    for _ in range(rounds):
+    for _ in range(rounds or ROUNDS[0]):
         for i, ((f, args), n) in enumerate(zip(variants, counts)):
             start = time.perf_counter()
             for _ in range(n):
@@ -253,22 +256,26 @@ def main(argv=None) -> None:
     """Print the table (module docstring); ``--no-model`` skips the toy model."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-model", action="store_true", help="skip the toy model rows")
+    parser.add_argument("--rows", default="", help="only the rows whose name has this text")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds per timing")
     opts = parser.parse_args(argv)
+    ROUNDS[0] = opts.rounds
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; microseconds per call "
-          "(median of 9 interleaved rounds of back-to-back calls); ours/formula < 1 is faster")
+          f"(median of {opts.rounds} interleaved rounds of back-to-back calls); "
+          "ours/formula < 1 is faster")
     print("| row | direction | copy | formula | cupy-rope | ours/formula | path | callback "
           "| max diff |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = [sbhd_row((4096, 1, 128, 128)), sbhd_row((512, 32, 24, 128)), prefill_row(),
-            decode_row(64), decode_row(1)]
-    for row in rows:
+            decode_row(64), decode_row(1), sbhd_row((64, 1, 32, 128), "decode-sized sbhd")]
+    for row in (r for r in rows if opts.rows in r.name):
         diff = max_difference(row)
         for direction, copy, formula, ours, path, slow in time_row(row):
             print(f"| {row.name} | {direction} | {copy:.1f} | {formula:.1f} | {ours:.1f} | "
                   f"{ours / formula:.3f} | {path} | {slow:.1f} | {diff:.3g} |", flush=True)
     if crj.xla.last_refusal[0]:
         print(f"# last call the fast path refused: {crj.xla.last_refusal[0]}")
-    if not opts.no_model:
+    if not opts.no_model and opts.rows in "toy model, 8 layers":
         for direction, formula, ours, path, slow in model_rows():
             print(f"| toy model, 8 layers | {direction} | - | {formula:.1f} | {ours:.1f} | "
                   f"{ours / formula:.3f} | {path} | {slow:.1f} | - |", flush=True)
