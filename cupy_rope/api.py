@@ -251,6 +251,8 @@ def _execute(op, head, tables, tail, options, offsets, bound=None, remember=None
     else:
         offset, offsets_array = _split_offsets(offsets)
         tail = tail + (offsets_array,)
+        if offsets_array is None:
+            offsets = offset  # validated as the int it is, not described again
     # The option types too: 64.0 == 64 and 1 == True, but validation refuses
     # a float rotary_dim or an int inplace, so they must not share a plan.
     key = [op, options, tuple(map(type, options))]

@@ -311,20 +311,9 @@ def _rope_bwd(static, backward, arrays, g):
 _rope.defvjp(_rope_fwd, _rope_bwd)
 
 
-def rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, offsets=None,
-         layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0, interleaved=False,
-         rotary_dim=None, head_dim=None, backward=False, sections=None,
-         sections_interleaved=False):
-    """Rotated copy of ``x``, eagerly or under ``jax.jit``, differentiable.
 
-    ``jax.grad`` runs the kernel with ``backward`` flipped (rotation by
-    -theta); the angle arrays get zero cotangents.
-
-    Parameters
-    ----------
-    x : jax.Array
-        [b, s, h, d] (bshd), [s, b, h, d] (sbhd) or [t, h, d] (thd).
-    cos, sin : jax.Array, optional
+#: The parameters most functions here share, in their docstrings (one text).
+_SHARED_PARAMETERS = """cos, sin : jax.Array, optional
         Tables [max_position, r/2].
     inv_freq, freqs, positions : array, optional
         The other angle sources and the positions, as in
@@ -342,7 +331,29 @@ def rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, of
         Rotate by -theta (static).
     sections, sections_interleaved : optional
         M-RoPE / axial RoPE (static); ``positions`` is then [axes, s],
-        [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
+        [axes, 1, s] or [axes, b, s] (thd: [axes, t])."""
+
+
+def _shared_doc(f):
+    """Fill ``f``'s docstring with :data:`_SHARED_PARAMETERS`."""
+    f.__doc__ = f.__doc__ % {"shared_parameters": _SHARED_PARAMETERS}
+    return f
+
+@_shared_doc
+def rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, offsets=None,
+         layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0, interleaved=False,
+         rotary_dim=None, head_dim=None, backward=False, sections=None,
+         sections_interleaved=False):
+    """Rotated copy of ``x``, eagerly or under ``jax.jit``, differentiable.
+
+    ``jax.grad`` runs the kernel with ``backward`` flipped (rotation by
+    -theta); the angle arrays get zero cotangents.
+
+    Parameters
+    ----------
+    x : jax.Array
+        [b, s, h, d] (bshd), [s, b, h, d] (sbhd) or [t, h, d] (thd).
+    %(shared_parameters)s
 
     Returns
     -------
@@ -395,6 +406,7 @@ def _rope_qk_bwd(static, backward, arrays, grads):
 _rope_qk.defvjp(_rope_qk_fwd, _rope_qk_bwd)
 
 
+@_shared_doc
 def rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None,
             offsets=None, layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0,
             interleaved=False, rotary_dim=None, head_dim=None, backward=False, sections=None,
@@ -407,25 +419,7 @@ def rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=No
         [.., hq, d] in ``layout``.
     k : jax.Array
         [.., hk, d], the same tokens (any hk).
-    cos, sin : jax.Array, optional
-        Tables [max_position, r/2].
-    inv_freq, freqs, positions : array, optional
-        The other angle sources and the positions, as in
-        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``); traced.
-    offsets : int or array, optional
-        A Python int (static: a new value compiles a new program), a 0-d int
-        array (traced, one offset for every sequence) or one per sequence.
-    layout : {"bshd", "sbhd", "thd"}, default "bshd"
-        Static.
-    cu_seqlens : array, optional
-        Sequence boundaries of a packed thd batch; traced.
-    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
-        Static, as in :func:`cupy_rope.apply_rope`.
-    backward : bool, default False
-        Rotate by -theta (static).
-    sections, sections_interleaved : optional
-        M-RoPE / axial RoPE (static); ``positions`` is then [axes, s],
-        [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
+    %(shared_parameters)s
 
     Returns
     -------

@@ -394,6 +394,29 @@ def _records_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+
+#: The parameters most functions here share, in their docstrings (one text).
+_SHARED_PARAMETERS = """cos, sin : torch.Tensor, optional
+        Tables [max_position, r/2].
+    inv_freq, freqs, cos_sin_cache, positions, offsets, layout, cu_seqlens : optional
+        The other angle sources, the positions and the layout, as in
+        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``).
+    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
+        Context parallel rank, pairing style and rotated width, as in
+        :func:`cupy_rope.apply_rope`.
+    backward : bool, default False
+        Rotate by -theta.
+    sections, sections_interleaved : optional
+        M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
+        then [axes, s], [axes, 1, s] or [axes, b, s] (thd: [axes, t])."""
+
+
+def _shared_doc(f):
+    """Fill ``f``'s docstring with :data:`_SHARED_PARAMETERS`."""
+    f.__doc__ = f.__doc__ % {"shared_parameters": _SHARED_PARAMETERS}
+    return f
+
+@_shared_doc
 def rope(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, *,
          inv_freq=None, freqs=None, cos_sin_cache=None, positions=None, offsets=None,
          layout: str = "bshd", cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
@@ -411,19 +434,7 @@ def rope(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, 
     x : torch.Tensor
         [b, s, h, d] (bshd), [s, b, h, d] (sbhd) or [t, h, d] (thd); heads may
         be flattened into the last axis where ``head_dim`` is given.
-    cos, sin : torch.Tensor, optional
-        Tables [max_position, r/2].
-    inv_freq, freqs, cos_sin_cache, positions, offsets, layout, cu_seqlens : optional
-        The other angle sources, the positions and the layout, as in
-        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``).
-    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
-        Context parallel rank, pairing style and rotated width, as in
-        :func:`cupy_rope.apply_rope`.
-    backward : bool, default False
-        Rotate by -theta.
-    sections, sections_interleaved : optional
-        M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
-        then [axes, s], [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
+    %(shared_parameters)s
 
     Returns
     -------
@@ -456,6 +467,7 @@ def rope(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, 
     return torch.ops.cupy_rope.rope(x, *args, bool(backward), *axes)
 
 
+@_shared_doc
 def rope_(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, *,
           inv_freq=None, freqs=None, cos_sin_cache=None, positions=None, offsets=None,
           layout: str = "bshd", cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
@@ -471,19 +483,7 @@ def rope_(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
     ----------
     x : torch.Tensor
         As in :func:`rope`; overwritten.
-    cos, sin : torch.Tensor, optional
-        Tables [max_position, r/2].
-    inv_freq, freqs, cos_sin_cache, positions, offsets, layout, cu_seqlens : optional
-        The other angle sources, the positions and the layout, as in
-        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``).
-    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
-        Context parallel rank, pairing style and rotated width, as in
-        :func:`cupy_rope.apply_rope`.
-    backward : bool, default False
-        Rotate by -theta.
-    sections, sections_interleaved : optional
-        M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
-        then [axes, s], [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
+    %(shared_parameters)s
 
     Returns
     -------
@@ -520,6 +520,7 @@ def rope_(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
     return x
 
 
+@_shared_doc
 def rope_qk(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
             *, inv_freq=None, freqs=None, cos_sin_cache=None, positions=None, offsets=None,
             layout: str = "bshd", cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
@@ -535,19 +536,7 @@ def rope_qk(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Te
         [.., hq, d] in ``layout``.
     k : torch.Tensor
         [.., hk, d], the same tokens (any hk).
-    cos, sin : torch.Tensor, optional
-        Tables [max_position, r/2].
-    inv_freq, freqs, cos_sin_cache, positions, offsets, layout, cu_seqlens : optional
-        The other angle sources, the positions and the layout, as in
-        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``).
-    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
-        Context parallel rank, pairing style and rotated width, as in
-        :func:`cupy_rope.apply_rope`.
-    backward : bool, default False
-        Rotate by -theta.
-    sections, sections_interleaved : optional
-        M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
-        then [axes, s], [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
+    %(shared_parameters)s
 
     Returns
     -------
@@ -580,6 +569,7 @@ def rope_qk(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Te
     return torch.ops.cupy_rope.rope_qk(q, k, *args, bool(backward), *axes)
 
 
+@_shared_doc
 def rope_qk_(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
              *, inv_freq=None, freqs=None, cos_sin_cache=None, positions=None, offsets=None,
              layout: str = "bshd", cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
@@ -595,19 +585,7 @@ def rope_qk_(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[T
     ----------
     q, k : torch.Tensor
         As in :func:`rope_qk`; overwritten.
-    cos, sin : torch.Tensor, optional
-        Tables [max_position, r/2].
-    inv_freq, freqs, cos_sin_cache, positions, offsets, layout, cu_seqlens : optional
-        The other angle sources, the positions and the layout, as in
-        :func:`cupy_rope.apply_rope` (reference: ``docs/api.md``).
-    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
-        Context parallel rank, pairing style and rotated width, as in
-        :func:`cupy_rope.apply_rope`.
-    backward : bool, default False
-        Rotate by -theta.
-    sections, sections_interleaved : optional
-        M-RoPE / axial RoPE: frequencies per position axis; ``positions`` is
-        then [axes, s], [axes, 1, s] or [axes, b, s] (thd: [axes, t]).
+    %(shared_parameters)s
 
     Returns
     -------

@@ -56,8 +56,10 @@ from . import launch, specialize, validate
 #: "xla" (the fast path where it serves, else the callback) or "callback".
 MODE = os.environ.get("CUPY_ROPE_JAX_LAUNCH", "xla")
 
-SLOTS = 11  # the pointers of rope::CallData (launch.DYNAMIC_FIELDS less the offset)
-ALIGN = 16  # what the plan may assume of every XLA buffer (launch.MAX_VECTOR_BYTES)
+# The pointers of rope::CallData: its fields less the scalar offset.
+SLOTS = sum(1 for _, code in launch.DYNAMIC_FIELDS if code == "Q")
+# What the plan may assume of every XLA buffer: the widest vector access.
+ALIGN = launch.MAX_VECTOR_BYTES
 _LIB_OP = {"rope": "rope", "rope_qk": "qk", "rope_qkv": "qkv",
            "rope_qkv_backward": "qkv_backward"}
 
