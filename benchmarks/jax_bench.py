@@ -144,7 +144,7 @@ def vjp_of(fn):
 
 def path_of(fn, args) -> str:
     hlo = jax.jit(fn).lower(*args).as_text()
-    if "triton_kernel_call" in hlo:
+    if any(t in hlo for t in (crj.xla.PTX_TARGET,) + crj.xla.TRITON_TARGETS):
         return "xla"
     return "callback" if "xla_buffer_python_gpu_callback" in hlo else "?"
 

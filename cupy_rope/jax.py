@@ -30,9 +30,10 @@ How the kernel gets into an XLA program
 Two paths; which one a call takes is decided when XLA lowers it (eager calls
 are lowered too: JAX compiles the single op).
 
-1. The fast path (:mod:`cupy_rope.xla`), for CUDA: an XLA custom call to
-   jaxlib's launcher for compiled GPU kernels (the one Pallas uses,
-   ``triton_kernel_call_ffi``). The library plans the call at lowering time
+1. The fast path (:mod:`cupy_rope.xla`), for CUDA: an XLA custom call that
+   XLA launches as one of its own kernels (``__gpu$xla.gpu.ptx``, jaxlib
+   >= 0.11; jaxlib's launcher for compiled GPU kernels,
+   ``triton_kernel_call_ffi``, before). The library plans the call at lowering time
    from the shapes and options (the same plan as for CuPy arrays), NVRTC
    compiles the kernel once per plan with an entry the launcher can call
    (the plan's fixed parameters in constant memory), and XLA then
@@ -48,7 +49,7 @@ are lowered too: JAX compiles the single op).
 Which calls take which path: the fast path serves every op (``rope``,
 ``rope_qk``, ``rope_qkv``, their backward and second order, M-RoPE, thd,
 ``jax.vmap``) on a process that sees a single GPU of compute capability 7.0
-or newer, with a jaxlib that ships the launcher, for dtypes CuPy has
+or newer, with a jaxlib that has either custom call, for dtypes CuPy has
 (bfloat16 from CuPy 14). The callback serves the rest: CPU arrays (the
 library's float64 NumPy reference), several visible GPUs, any call the
 fast path's planning or compile refuses (``cupy_rope.xla.last_refusal``

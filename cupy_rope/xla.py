@@ -1,13 +1,18 @@
 """Launch cupy-rope's kernels from XLA itself: no Python at execution time.
 
 :mod:`cupy_rope.jax` binds :func:`primitive`, a JAX primitive whose CUDA
-lowering is an XLA custom call to jaxlib's launcher for compiled GPU kernels
-(``jax._src.lib.gpu_triton``, the one Pallas and jax-triton use: target
-``triton_kernel_call_ffi``, a zlib-compressed ``TritonKernelCall`` proto as
-its ``opaque`` attribute). The launcher compiles a kernel's PTX once with
-ptxas and, on every execution, launches it on XLA's stream with the call's
-buffers (operands, then results) and scalars as the kernel's arguments, in
-order; the launch block is one-dimensional (``num_warps * 32`` threads).
+lowering is an XLA custom call that launches a kernel given as PTX, with the
+call's buffers (operands, then results) as the kernel's arguments, in order,
+and a one-dimensional block of whole warps. Two such calls exist
+(:func:`target` picks one):
+
+- ``__gpu$xla.gpu.ptx`` (:data:`PTX_TARGET`, jaxlib >= 0.11): XLA loads the
+  PTX with the program and launches it as one of its own kernels, so a call
+  costs what a fused XLA op costs and can be part of XLA's CUDA graphs;
+- jaxlib's launcher for compiled GPU kernels (``triton_kernel_call_ffi``, the
+  one jax-triton uses; a zlib-compressed ``TritonKernelCall`` proto as its
+  ``opaque``) on older jaxlibs: the same launch, from jaxlib's host code,
+  which adds host time to every execution.
 
 Our kernels take one by-value struct (``rope::Params`` or
 ``rope::FlatParams``, ``kernels/params.cuh``) and two- or three-dimensional
@@ -29,7 +34,7 @@ cached per plan):
   (rounded up to whole warps: the threads beyond the plan's exit first).
 
 What the fast path cannot serve is lowered to ``buffer_callback`` instead
-(:func:`lower_or_none` returns None): no GPU launcher in this jaxlib, more
+(:func:`lower_or_none` returns None): neither custom call in this jaxlib, more
 than one visible GPU, a GPU older than sm_70, arrays CuPy has no dtype for,
 an empty call, or anything the planner or the compile refuses. The CPU
 platform always takes the callback. Set ``CUPY_ROPE_JAX_LAUNCH=callback`` to
@@ -69,11 +74,26 @@ class Unsupported(Exception):
 
 
 class KernelCall(NamedTuple):
-    """A lowered launch: the custom call's target and its attributes."""
+    """A lowered launch: the custom call's target and what it launches."""
 
-    target: str
-    name: str
-    opaque: bytes
+    target: str  # PTX_TARGET, or one of jaxlib's launcher (TRITON_TARGETS)
+    name: str  # the kernel's lowered name in the PTX
+    ptx: str
+    grid: tuple  # (x, y, z)
+    threads: int  # one-dimensional block: the plan's threads in whole warps
+    n_outputs: int  # the last buffers are the results
+    opaque: bytes  # jaxlib's launcher only: its compressed TritonKernelCall
+
+
+#: XLA's own custom call for a kernel given as PTX: XLA loads it with the
+#: program and launches it as it launches its fusions (a kernel thunk, no host
+#: code of ours and none of jaxlib's per execution).
+PTX_TARGET = "__gpu$xla.gpu.ptx"
+#: jaxlib's launcher for compiled GPU kernels (the FFI form, then the legacy one).
+TRITON_TARGETS = ("triton_kernel_call_ffi", "triton_kernel_call")
+#: The first jaxlib whose XLA serves PTX_TARGET as this module uses it
+#: (older ones take jaxlib's launcher, which costs host time per execution).
+PTX_TARGET_JAXLIB = (0, 11)
 
 
 # ------------------------------------------------------------ the kernel --
@@ -297,18 +317,31 @@ def launcher():
     return gpu_triton if hasattr(gpu_triton, "TritonKernelCall") else None
 
 
-def _target(lib) -> str:
+def _jaxlib_version() -> tuple:
+    from jax._src.lib import version
+
+    return tuple(version)
+
+
+def target() -> Optional[str]:
+    """The custom call the fast path lowers to with this jaxlib (XLA's PTX
+    call, else jaxlib's launcher), or None where it has neither."""
+    if _jaxlib_version() >= PTX_TARGET_JAXLIB:
+        return PTX_TARGET
+    lib = launcher()
+    return None if lib is None else _triton_target(lib)
+
+
+def _triton_target(lib) -> str:
     """The launcher's custom call: the FFI one where this jaxlib has it (as
     Pallas decides: registered from Python, or any jaxlib after 0.10.2)."""
     try:
         names = lib._cuda_triton.registrations()
     except Exception:  # a jaxlib without FFI registrations
         names = {}
-    from jax._src.lib import version as jaxlib_version
-
-    if "triton_kernel_call_ffi" in names or tuple(jaxlib_version) > (0, 10, 2):
-        return "triton_kernel_call_ffi"
-    return "triton_kernel_call"
+    if TRITON_TARGETS[0] in names or _jaxlib_version() > (0, 10, 2):
+        return TRITON_TARGETS[0]
+    return TRITON_TARGETS[1]
 
 
 def _single_gpu() -> int:
@@ -321,11 +354,12 @@ def _single_gpu() -> int:
 
 
 def build(op: str, static, backward: bool, n_data: int, in_avals, out_avals) -> KernelCall:
-    """The launch of this call by jaxlib's launcher; raises where the fast
-    path cannot serve (``Unsupported``, compile or planner errors)."""
-    lib = launcher()
-    if lib is None:
-        raise Unsupported("this jaxlib has no GPU kernel launcher (gpu_triton)")
+    """The launch of this call by XLA (or jaxlib's launcher); raises where the
+    fast path cannot serve (``Unsupported``, compile or planner errors)."""
+    call_target = target()
+    if call_target is None:
+        raise Unsupported("this jaxlib has neither XLA's PTX custom call nor jaxlib's "
+                          "GPU kernel launcher (gpu_triton)")
     device_id = _single_gpu()
     plan, _, offset = plan_call(op, static, backward, n_data, in_avals, out_avals, device_id)
     cc = _compute_capability(device_id)
@@ -333,13 +367,15 @@ def build(op: str, static, backward: bool, n_data: int, in_avals, out_avals) -> 
         raise Unsupported(f"compute capability {cc} (threads beyond a block's must exit)")
     n = len(in_avals) + len(out_avals)
     ptx, name = compile_entry(entry_plan(plan, offset, n), cc)
-    warps = -(-plan.block[0] * plan.block[1] * plan.block[2] // 32)
-    params = [lib.create_array_parameter(0, ALIGN)] * n
-    kernel = _triton_kernel(lib, name, warps, ptx, cc)
-    gx, gy, gz = plan.grid
-    kernel_call = lib.TritonKernelCall(kernel, gx, gy, gz, params)
-    opaque = zlib.compress(kernel_call.to_proto(name, b""))
-    return KernelCall(_target(lib), name, opaque)
+    threads = 32 * -(-plan.block[0] * plan.block[1] * plan.block[2] // 32)
+    grid = tuple(int(g) for g in plan.grid)
+    opaque = b""
+    if call_target != PTX_TARGET:
+        lib = launcher()
+        params = [lib.create_array_parameter(0, ALIGN)] * n
+        kernel = _triton_kernel(lib, name, threads // 32, ptx, cc)
+        opaque = zlib.compress(lib.TritonKernelCall(kernel, *grid, params).to_proto(name, b""))
+    return KernelCall(call_target, name, ptx, grid, threads, len(out_avals), opaque)
 
 
 def _triton_kernel(lib, name: str, warps: int, ptx: str, cc: int):
@@ -471,16 +507,31 @@ def _custom_call(mlir_internal, ctx, args, found: KernelCall):
     result_layouts = [list(reversed(range(len(a.shape)))) for a in ctx.avals_out]
     result_types = [ir.RankedTensorType.get(a.shape, mlir_internal.dtype_to_ir_type(a.dtype))
                     for a in ctx.avals_out]
-    if found.target == "triton_kernel_call_ffi":
-        config = dict(name=ir.StringAttr.get(found.name), opaque=ir.StringAttr.get(found.opaque))
-        return mlir_internal.custom_call(
-            found.target, result_types=result_types, operands=list(args),
-            backend_config=config, operand_layouts=layouts,
-            result_layouts=result_layouts).results
-    return mlir_internal.custom_call(
-        found.target, result_types=result_types, operands=list(args),
-        backend_config=found.opaque, api_version=2, operand_layouts=layouts,
-        result_layouts=result_layouts).results
+    common = dict(result_types=result_types, operands=list(args), operand_layouts=layouts,
+                  result_layouts=result_layouts)
+    if found.target == PTX_TARGET:
+        config = _ptx_config(ir, found, len(ctx.avals_in))
+    elif found.target == TRITON_TARGETS[0]:
+        config = dict(name=ir.StringAttr.get(found.name),
+                      opaque=ir.StringAttr.get(found.opaque))
+    else:
+        return mlir_internal.custom_call(found.target, backend_config=found.opaque,
+                                         api_version=2, **common).results
+    return mlir_internal.custom_call(found.target, backend_config=config, **common).results
+
+
+def _ptx_config(ir, found: KernelCall, n_inputs: int) -> dict:
+    """PTX_TARGET's attributes: the kernel, its launch shape, and its
+    arguments (one per buffer: the operands, then the results)."""
+    i32 = ir.IntegerType.get_signless(32)
+    ints = dict(zip(("grid_x", "grid_y", "grid_z"), found.grid),
+                block_x=found.threads, block_y=1, block_z=1, shared_mem_bytes=0)
+    config = {k: ir.IntegerAttr.get(i32, int(v)) for k, v in ints.items()}
+    config.update(name=ir.StringAttr.get(found.name), kernel_type=ir.StringAttr.get("ptx"),
+                  kernel_data=ir.StringAttr.get(found.ptx),
+                  output_indices=ir.ArrayAttr.get([ir.IntegerAttr.get(i32, n_inputs + i)
+                                                   for i in range(found.n_outputs)]))
+    return config
 
 
 #: The last KernelCall the CUDA lowering emitted (for tests).

@@ -474,13 +474,13 @@ def test_one_row_of_positions(jit):
 
 
 # ------------------------------- issue 33: launched by XLA, no Python at run --
-FAST_TARGETS = ("triton_kernel_call_ffi", "triton_kernel_call")
+FAST_TARGETS = (crj.xla.PTX_TARGET,) + crj.xla.TRITON_TARGETS
 CALLBACK_TARGET = "xla_buffer_python_gpu_callback"
 
 
 def fast_path_or_skip():
-    if crj.xla.launcher() is None:
-        pytest.skip("this jaxlib has no GPU kernel launcher (gpu_triton)")
+    if crj.xla.target() is None:
+        pytest.skip("this jaxlib has neither XLA's PTX custom call nor a GPU kernel launcher")
     if len([d for d in jax.devices() if d.platform == "gpu"]) != 1:
         pytest.skip("the fast path serves a single visible GPU")
 
@@ -513,10 +513,15 @@ def fast_cases():
                     ref_rope(a.reshape(2, 128, 12, 128)[:, :, 8:10], **cs),
                     a.reshape(2, 128, 12, 128)[:, :, 10:])),
         ("mrope", lambda x: crj.rope(x, **mk), [xm], lambda x: ref_rope(x, **mk)),
+        # one array as q and k, and as cos and sin: one XLA buffer behind two
+        # kernel arguments
+        ("same-buffer-twice", lambda x: crj.rope_qk(x, x, t["cos"], t["cos"]), [x1],
+         lambda x: (ref_rope(x, t["cos"], t["cos"]), ref_rope(x, t["cos"], t["cos"]))),
     ]
 
 
-FAST_IDS = ["sbhd", "sbhd-batch", "qk-prefill", "qk-decode-thd", "qkv", "mrope"]
+FAST_IDS = ["sbhd", "sbhd-batch", "qk-prefill", "qk-decode-thd", "qkv", "mrope",
+            "same-buffer-twice"]
 
 
 def _case(name):
@@ -593,6 +598,18 @@ def test_fast_path_runs_no_python_and_equals_the_callback(name, monkeypatch):
     refs = refs if isinstance(refs, tuple) else (refs,)
     for o, r in zip(outs, refs):
         assert_close(np.asarray(o.astype(jnp.float32)), np.asarray(r), str(args[0].dtype), name)
+
+
+def test_fast_path_takes_xlas_ptx_call_where_jaxlib_has_it():
+    """From PTX_TARGET_JAXLIB on, XLA launches the kernel itself (a kernel
+    thunk): not jaxlib's launcher, whose host code runs per execution."""
+    fast_path_or_skip()
+    _, fn, args, _ = _case("sbhd")
+    with launch_mode("xla"):
+        hlo = jax.jit(fn).lower(*args).as_text()
+    uses_ptx = crj.xla._jaxlib_version() >= crj.xla.PTX_TARGET_JAXLIB
+    assert (crj.xla.PTX_TARGET in hlo) == uses_ptx, crj.xla.last_refusal[0]
+    assert any(t in hlo for t in crj.xla.TRITON_TARGETS) != uses_ptx
 
 
 def test_fast_path_vmap_and_ordering(monkeypatch):
