@@ -63,6 +63,18 @@ class Options(NamedTuple):
     packing: str = "concat"
 
 
+class NormOptions(NamedTuple):
+    """The q/k RMSNorm that :func:`cupy_rope.apply_qk_norm_rope` applies
+    before the rotation (docs/api.md), defaults as the function has them."""
+
+    scope: str = "head"  # "head": each head's head_dim channels; "token": all heads of a token
+    weight_mode: str = "w"  # "w": x_hat * w; "1+w": x_hat * (1 + w) (Gemma); "none": no weight
+    # "before_weight": x_hat rounded to x's dtype, then times w, rounded (Llama, Qwen3,
+    # OLMo 2); "after_weight": x_hat * w in fp32, rounded once (Gemma)
+    rounding: str = "before_weight"
+    eps: float = 1e-6
+
+
 class Arrays(NamedTuple):
     """A call's array arguments, each described once; None where absent.
 
