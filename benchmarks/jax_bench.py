@@ -25,6 +25,7 @@ gradient step, with the formula and with cupy-rope.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from typing import Callable, NamedTuple
@@ -252,12 +253,31 @@ def model_rows(model: ToyModel = ToyModel()) -> list:
 
 
 # ------------------------------------------------------------------- main --
+def csv_rows(workload: str, shape: str, direction: str, copy, timings: dict) -> list:
+    """Rows in results/runs.csv's columns (less the run's fields) for one
+    timed row: ``timings`` maps each implementation to its microseconds."""
+    rows = []
+    for impl, us in timings.items():
+        rows.append({"workload": workload, "dtype": "bfloat16", "shape": shape,
+                     "implementation": impl, "direction": direction,
+                     "microseconds": f"{us:.3f}",
+                     "copy_microseconds": "" if copy is None else f"{copy:.3f}",
+                     "fraction_of_copy": "" if copy is None else f"{copy / us:.4f}"})
+    return rows
+
+
+def _shape_of(args) -> str:
+    return "+".join("x".join(str(n) for n in a.shape) for a in args)
+
+
 def main(argv=None) -> None:
-    """Print the table (module docstring); ``--no-model`` skips the toy model."""
+    """Print the table (module docstring); ``--no-model`` skips the toy model,
+    ``--json PATH`` also writes the rows for benchmarks.record."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-model", action="store_true", help="skip the toy model rows")
     parser.add_argument("--rows", default="", help="only the rows whose name has this text")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds per timing")
+    parser.add_argument("--json", help="write the rows (results/runs.csv columns) here")
     opts = parser.parse_args(argv)
     ROUNDS[0] = opts.rounds
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; microseconds per call "
@@ -268,17 +288,27 @@ def main(argv=None) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = [sbhd_row((4096, 1, 128, 128)), sbhd_row((512, 32, 24, 128)), prefill_row(),
             decode_row(64), decode_row(1), sbhd_row((64, 1, 32, 128), "decode-sized sbhd")]
+    out = []
     for row in (r for r in rows if opts.rows in r.name):
         diff = max_difference(row)
         for direction, copy, formula, ours, path, slow in time_row(row):
             print(f"| {row.name} | {direction} | {copy:.1f} | {formula:.1f} | {ours:.1f} | "
                   f"{ours / formula:.3f} | {path} | {slow:.1f} | {diff:.3g} |", flush=True)
+            out += csv_rows(f"jax {row.name}", _shape_of(row.args), direction, copy,
+                            {"jnp formula (jax)": formula, f"cupy-rope (jax, {path})": ours,
+                             "cupy-rope (jax, callback)": slow})
     if crj.xla.last_refusal[0]:
         print(f"# last call the fast path refused: {crj.xla.last_refusal[0]}")
     if not opts.no_model and opts.rows in "toy model, 8 layers":
         for direction, formula, ours, path, slow in model_rows():
             print(f"| toy model, 8 layers | {direction} | - | {formula:.1f} | {ours:.1f} | "
                   f"{ours / formula:.3f} | {path} | {slow:.1f} | - |", flush=True)
+            out += csv_rows("jax toy model, 8 layers", "", direction, None,
+                            {"jnp formula (jax)": formula, f"cupy-rope (jax, {path})": ours,
+                             "cupy-rope (jax, callback)": slow})
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "rows": out}, f, indent=1)
 
 
 if __name__ == "__main__":

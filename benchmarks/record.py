@@ -5,7 +5,9 @@
 RUN_DIR is a folder written by ``bash tools/gpu_suite.sh`` (bench.json,
 bench.png, logs). Every timed row of bench.json becomes one CSV row, and so
 does every timing of its decode host section (direction ``host``), so that
-the history of any figure is a filter on one file.
+the history of any figure is a filter on one file. The other benchmarks
+(JAX, the fused ops) write ``NAME.rows.json``: rows in the CSV's columns,
+which are added as they are, with the run's date, name, commit and GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ COLUMNS = ("date", "run", "commit", "gpu", "workload", "dtype", "shape", "implem
            "direction", "microseconds", "copy_microseconds", "fraction_of_copy")
 
 # The files of a run that results/latest/ keeps; anything else in RUN_DIR stays out.
-LATEST_KINDS = ("bench.json", "bench.png", "README.md", "*.log", "*.txt")
+LATEST_KINDS = ("bench.json", "bench.png", "README.md", "*.log", "*.txt", "*.rows.json")
+# The run fields record() fills in; the other columns come from the benchmark.
+RUN_FIELDS = ("date", "run", "commit", "gpu")
 
 # The decode host section's timings in bench.json, each with the implementation
 # it is recorded as. A key missing from a run's JSON is skipped, since earlier
@@ -142,6 +146,31 @@ def host_rows(result: dict, info: RunInfo) -> list[dict]:
 def rows_of(result: dict, info: RunInfo) -> list[dict]:
     """Every CSV row of one bench.json result: device rows, then host rows."""
     return device_rows(result, info) + host_rows(result, info)
+
+
+def extra_rows(run_dir: Path, info: RunInfo) -> list[dict]:
+    """CSV rows of every ``*.rows.json`` in ``run_dir`` (sorted by name).
+
+    Each file holds a list of rows, or an object with ``rows`` (and
+    ``device``), keyed by the CSV's columns; the run fields come from ``info``
+    (the file's ``device`` where ``info`` has no GPU name).
+
+    Raises
+    ------
+    ValueError
+        If a row lacks one of the columns other than the run fields.
+    """
+    rows = []
+    for path in sorted(run_dir.glob("*.rows.json")):
+        data = json.loads(path.read_text())
+        listed = data if isinstance(data, list) else data.get("rows", [])
+        gpu = info.gpu or ("" if isinstance(data, list) else data.get("device", ""))
+        for r in listed:
+            missing = [c for c in COLUMNS if c not in RUN_FIELDS and c not in r]
+            if missing:
+                raise ValueError(f"{path.name}: a row without {', '.join(missing)}")
+            rows.append({**{c: r.get(c, "") for c in COLUMNS}, **vars(info), "gpu": gpu})
+    return rows
 
 
 def recorded_runs(csv_path: Path) -> set[str]:
@@ -265,7 +294,7 @@ def record(run_dir, results=None, commit=None, date=None, run=None) -> int:
     result = json.loads(bench.read_text())
     info = RunInfo(run=run, date=date, commit=commit or _head_commit(),
                    gpu=result.get("device", ""))
-    rows = rows_of(result, info)
+    rows = rows_of(result, info) + extra_rows(run_dir, info)
     append_rows(csv_path, rows)
     replace_latest(run_dir, results / "latest")
     return len(rows)

@@ -85,6 +85,39 @@ def test_host_rows(run_dir, tmp_path):
     assert qk["copy_microseconds"] == qk["fraction_of_copy"] == ""
 
 
+def _extra_row(**kw) -> dict:
+    row = {"workload": "jax-decode", "dtype": "bfloat16", "shape": "64x32x128",
+           "implementation": "cupy-rope (jax)", "direction": "fwd", "microseconds": "50.000",
+           "copy_microseconds": "48.000", "fraction_of_copy": "0.9600"}
+    return {**row, **kw}
+
+
+def test_extra_rows(run_dir, tmp_path):
+    """A benchmark's NAME.rows.json is added with the run's fields and kept in latest/."""
+    (run_dir / "jax.rows.json").write_text(json.dumps(
+        {"device": "ignored: bench.json names the GPU",
+         "rows": [_extra_row(), _extra_row(direction="vjp", run="stale", commit="old")]}))
+    results = tmp_path / "results"
+    results.mkdir()
+    assert record.record(run_dir, results=results, commit="abc1234") == 8
+    extra = [r for r in _rows(results) if r["workload"] == "jax-decode"]
+    assert [r["direction"] for r in extra] == ["fwd", "vjp"]
+    assert {(r["run"], r["commit"], r["gpu"]) for r in extra} == {
+        ("h100-2030-01-02", "abc1234", "NVIDIA Test GPU")}
+    assert "jax.rows.json" in {p.name for p in (results / "latest").iterdir()}
+
+
+def test_extra_rows_missing_column(run_dir, tmp_path):
+    row = _extra_row()
+    del row["microseconds"]
+    (run_dir / "norm.rows.json").write_text(json.dumps([row]))
+    results = tmp_path / "results"
+    results.mkdir()
+    with pytest.raises(ValueError, match="microseconds"):
+        record.record(run_dir, results=results, commit="abc1234")
+    assert not (results / "runs.csv").exists()
+
+
 def test_duplicate_run_refused(run_dir, tmp_path):
     results = tmp_path / "results"
     results.mkdir()

@@ -9,6 +9,9 @@
 # Environment knobs:
 #   GPU_TEST_WORKERS, PYTEST_ARGS        pytest-xdist workers, extra pytest arguments
 #   BENCH_ARGS                           benchmark flags (python -m benchmarks.bench --help)
+#   EXTRA_BENCHES                        the other benchmarks run after it, each writing
+#                                        NAME.rows.json for benchmarks.record (default:
+#                                        jax_bench norm_bench cache_bench, those present)
 #   TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT   seconds per part (the benchmark's
 #                                        limit holds for each of its runs)
 #   SANITIZE_TOOLS                       compute-sanitizer tools to run
@@ -67,6 +70,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     --plot "$OUT/bench.png" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   [ $? = 0 ] || status=1
   tail -60 "$OUT/bench.log"
+  for name in ${EXTRA_BENCHES:-jax_bench norm_bench cache_bench}; do
+    [ -f "benchmarks/$name.py" ] || continue
+    timeout "${BENCH_TIMEOUT:-240}" $PY -m "benchmarks.$name" \
+      --json "$OUT/${name%_bench}.rows.json" > "$OUT/$name.log" 2>&1
+    [ $? = 0 ] || status=1
+    grep -E "^[|#]" "$OUT/$name.log" | tail -30
+  done
 fi
 if [ -z "${SKIP_BENCH:-}" ] && [ -n "${BASELINE:-}" ]; then
   # The old tree runs from its own root with only itself (and the carried
