@@ -169,7 +169,8 @@ def clear_plans() -> None:
     """Forget every cached launch plan.
 
     Clears the general path's plans and the functional fast path's
-    launchers (a :class:`RotaryEmbedding` keeps its own ``qk_`` launchers).
+    launchers, and those of the fused ops (``qk_norm``, ``kv_cache``); a
+    :class:`RotaryEmbedding` keeps its own ``qk_`` launchers.
     The next call of each signature is validated and planned again, under
     the launch policy of that moment: for scripts and tests that change it.
 
@@ -182,10 +183,14 @@ def clear_plans() -> None:
     >>> import cupy_rope
     >>> cupy_rope.api.clear_plans()
     """
+    from . import kv_cache, qk_norm  # they import this module
+
     with _plans_lock:
         _plans.clear()
         _fast_calls.clear()
         _fast_count[0] = 0
+    qk_norm.clear_plans()
+    kv_cache.clear_plans()
 
 
 def _fast_call(op, classes, n_head, bound):

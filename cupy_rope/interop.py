@@ -30,7 +30,8 @@ _DL_DTYPES = {
 }
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
             "int32": 4, "int64": 8, "int16": 2, "int8": 1, "uint8": 1,
-            "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1}
+            "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1, "float8_e4m3fn": 1,
+            "float8_e5m2": 1}
 
 
 class Tensor(NamedTuple):

@@ -5,6 +5,8 @@
 - :func:`rope` (alias :func:`apply_rope`): rotated copy of x,
 - :func:`rope_qk` (alias :func:`apply_rope_qk`): rotated q and k in one launch,
 - :func:`rope_qkv` (alias :func:`apply_rope_qkv`): packed qkv -> (q, k, v),
+- :func:`qk_norm_rope` (alias :func:`apply_qk_norm_rope`): RMSNorm of q and k,
+  then their rotation, in one launch (gradients for q, k and both weights),
 
 with the keyword arguments of :func:`cupy_rope.apply_rope` (``docs/api.md``).
 Each is a ``jax.custom_vjp`` whose backward runs the same kernel rotating by
@@ -14,6 +16,9 @@ packs dq, dk, dv back. Each backward is itself an op with a vjp (the
 forward again), so ``jax.grad`` of ``jax.grad`` works. Gradients flow to x /
 q / k / qkv only: angle tables, positions and offsets get zero cotangents.
 JAX arrays are immutable, so there are no in-place variants.
+``qk_norm_rope``'s backward is :func:`cupy_rope.apply_qk_norm_rope_backward`
+(gradients for q, k and both weights, the norm recomputed from q and k); it
+is not differentiable again.
 
 ``offsets``: a Python int is static (part of the compiled program: a new
 value compiles a new one), a 0-d int array is one traced offset for every
@@ -54,6 +59,8 @@ or newer, with a jaxlib that has either custom call, for dtypes CuPy has
 library's float64 NumPy reference), several visible GPUs, any call the
 fast path's planning or compile refuses (``cupy_rope.xla.last_refusal``
 says why), and every call while ``CUPY_ROPE_JAX_LAUNCH=callback`` is set.
+``qk_norm_rope`` always takes the callback (the fast path plans the rope
+kernels only).
 Both paths order the kernel on XLA's stream, after the producers of its
 inputs and before its consumers, with no host round trip.
 
@@ -84,7 +91,8 @@ from jax.experimental.buffer_callback import buffer_callback
 from . import api, validate, xla
 from .validate import _as_int
 
-__all__ = ["rope", "rope_qk", "rope_qkv", "apply_rope", "apply_rope_qk", "apply_rope_qkv"]
+__all__ = ["rope", "rope_qk", "rope_qkv", "apply_rope", "apply_rope_qk", "apply_rope_qkv",
+           "qk_norm_rope", "apply_qk_norm_rope"]
 
 _ARRAY_NAMES = ("cos", "sin", "inv_freq", "freqs", "positions", "offsets", "cu_seqlens")
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
@@ -623,3 +631,179 @@ def rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=Non
 apply_rope = rope
 apply_rope_qk = rope_qk
 apply_rope_qkv = rope_qkv
+
+
+# ------------------------------------------------- q/k RMSNorm + RoPE (issue 31) --
+# The fused norm + rope op always launches through buffer_callback: the fast
+# path (cupy_rope.xla) plans the rope ops' kernels only. Its callback calls
+# cupy_rope.qk_norm's API on views of XLA's buffers, on XLA's stream.
+
+#: Forward data operands (q, k) and backward ones (grad_q, grad_k, q, k).
+_NORM_N_DATA = {False: 2, True: 4}
+
+
+class _NormCall(NamedTuple):
+    """Hashable description of a qk_norm_rope call."""
+
+    static: _Static  # angle/position array names; rope and norm keywords
+    weights: tuple  # (q_weight given, k_weight given)
+
+
+def _qk_norm_module():
+    """cupy_rope.qk_norm, imported on first use (jax.py imports without it)."""
+    from . import qk_norm
+
+    return qk_norm
+
+
+def _norm_kwargs(eps, norm_scope, weight_mode, rounding) -> dict:
+    """The norm keywords, checked by the library now (they are static)."""
+    norm = _qk_norm_module().check_norm(norm_scope, weight_mode, rounding, eps)
+    return {"eps": norm.eps, "norm_scope": norm.scope, "weight_mode": norm.weight_mode,
+            "rounding": norm.rounding}
+
+
+def _put(buf, value) -> None:
+    """Write ``value`` (an array the library returned) into XLA's buffer."""
+    view = _view(buf)
+    if isinstance(view, _DLPackView):
+        raise TypeError(f"this CuPy has no dtype {buf.dtype} for the weight gradient")
+    view[...] = value
+
+
+@functools.lru_cache(maxsize=1024)
+def _qk_norm_callback(call: _NormCall, backward: bool):
+    """One callable per (call, direction): XLA caches programs on its identity."""
+    n_data = _NORM_N_DATA[backward]
+    n_weights = sum(call.weights)
+
+    def callback(ctx, out, *args):
+        data = args[:n_data]
+        weights, arrays = args[n_data:n_data + n_weights], args[n_data + n_weights:]
+
+        def run():
+            lib = _qk_norm_module()
+            kw = dict(call.static.kw)
+            kw.update({n: _view(a) for n, a in zip(call.static.names, arrays)})
+            given = iter(_view(w) for w in weights)
+            q_weight, k_weight = (next(given) if has else None for has in call.weights)
+            ins = [_view(a) for a in data]
+            outs = dict(out_q=_view(out[0]), out_k=_view(out[1]))
+            if not backward:
+                lib.apply_qk_norm_rope(*ins, q_weight, k_weight, **outs, **kw)
+                return
+            grads = lib.apply_qk_norm_rope_backward(*ins, q_weight, k_weight, **outs, **kw)
+            dweights = (g for g, has in zip(grads[2:], call.weights) if has)
+            for buf, g in zip(out[2:], dweights):
+                _put(buf, g)
+
+        _launch(ctx, data[0], run)
+
+    callback.__name__ = f"cupy_rope_qk_norm_rope{'_backward' if backward else ''}"
+    return callback
+
+
+def _qk_norm_op(call, backward, data, weights, arrays):
+    """The op's outputs: (q, k), or (dq, dk, *weight gradients) backward."""
+    specs = [_spec(a) for a in data[-2:]] + [_spec(w) for w in weights] * backward
+    op = buffer_callback(_qk_norm_callback(call, backward), tuple(specs),
+                         vmap_method="sequential")
+    return tuple(op(*data, *weights, *arrays))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _qk_norm_rope(call, q, k, weights, arrays):
+    return _qk_norm_op(call, False, (q, k), weights, arrays)
+
+
+def _qk_norm_rope_fwd(call, q, k, weights, arrays):
+    # The backward recomputes the norm from q and k (nothing else is saved).
+    return _qk_norm_rope(call, q, k, weights, arrays), (q, k, weights, arrays)
+
+
+def _qk_norm_rope_bwd(call, residuals, grads):
+    q, k, weights, arrays = residuals
+    dq, dk, *dweights = _qk_norm_op(call, True, (grads[0], grads[1], q, k), weights, arrays)
+    return dq, dk, tuple(dweights), None
+
+
+_qk_norm_rope.defvjp(_qk_norm_rope_fwd, _qk_norm_rope_bwd)
+
+
+def qk_norm_rope(q, k, q_weight=None, k_weight=None, cos=None, sin=None, *, inv_freq=None,
+                 freqs=None, positions=None, offsets=None, layout="bshd", cu_seqlens=None,
+                 cp_size=1, cp_rank=0, interleaved=False, rotary_dim=None, head_dim=None,
+                 sections=None, sections_interleaved=False, eps=1e-6, norm_scope="head",
+                 weight_mode="w", rounding="before_weight"):
+    """RMSNorm of q and k, then their rotation, in one launch, differentiable.
+
+    :func:`cupy_rope.apply_qk_norm_rope` as a ``jax.custom_vjp``, eagerly or
+    under ``jax.jit``; ``jax.grad`` gives the gradients of q, k and both
+    weights (:func:`cupy_rope.apply_qk_norm_rope_backward`, which recomputes
+    the norm from q and k). The angle arrays get zero cotangents. The
+    backward is not differentiable again, and the op always launches
+    through ``buffer_callback`` (module docstring).
+
+    Parameters
+    ----------
+    q : jax.Array
+        [.., hq, d] in ``layout``.
+    k : jax.Array
+        [.., hk, d], the same tokens (any hk).
+    q_weight, k_weight : jax.Array, optional
+        [d] (``norm_scope="head"``) or [hq * d] / [hk * d] (``"token"``);
+        None for ``weight_mode="none"``.
+    cos, sin, inv_freq, freqs, positions, offsets, layout, cu_seqlens : optional
+        The angles and token geometry, as for :func:`rope_qk` (arrays traced,
+        the others static).
+    cp_size, cp_rank, interleaved, rotary_dim, head_dim : optional
+        Static, as in :func:`cupy_rope.apply_rope`; the norm covers the whole
+        head, only the first ``rotary_dim`` channels rotate.
+    sections, sections_interleaved : optional
+        M-RoPE / axial RoPE (static), as for :func:`rope_qk`.
+    eps : float, default 1e-6
+        Added to the mean square (static).
+    norm_scope : {"head", "token"}, default "head"
+        Normalize each head, or all heads of a token (static).
+    weight_mode : {"w", "1+w", "none"}, default "w"
+        Scale by the weight, by 1 + weight (Gemma), or not at all (static).
+    rounding : {"before_weight", "after_weight"}, default "before_weight"
+        Round the normalized value to q's dtype before the weight
+        (Llama, Qwen3), or once after it (Gemma, OLMo 2); static.
+
+    Returns
+    -------
+    (jax.Array, jax.Array)
+        New arrays of q's and k's shapes.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, as :func:`cupy_rope.apply_qk_norm_rope` does
+        (the norm options at once; the checks of the arrays where the
+        call runs, as a ``JaxRuntimeError`` carrying the message).
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, cupy_rope.jax as crj
+    >>> from cupy_rope.frequencies import cos_sin_cache, rope_frequencies
+    >>> cos, sin = map(jnp.asarray, cos_sin_cache(rope_frequencies(64)[0], 128))
+    >>> q, k = jnp.ones((2, 128, 8, 64)), jnp.ones((2, 128, 2, 64))
+    >>> w = jnp.ones((64,))
+    >>> [t.shape for t in jax.jit(crj.qk_norm_rope)(q, k, w, w, cos, sin)]
+    [(2, 128, 8, 64), (2, 128, 2, 64)]
+    """
+    if k is None:
+        raise validate.none_input("k", alone="cupy_rope.jax.rope")
+    q, k = jnp.asarray(q), jnp.asarray(k)
+    extra = _norm_kwargs(eps, norm_scope, weight_mode, rounding)
+    static, arrays = _collect(cos, sin, inv_freq, freqs, positions, offsets, cu_seqlens,
+                              layout, cp_size, cp_rank, interleaved, rotary_dim, head_dim,
+                              extra=extra, sections=sections,
+                              sections_interleaved=sections_interleaved, shape=q.shape)
+    weights = tuple(jnp.asarray(w) for w in (q_weight, k_weight) if w is not None)
+    call = _NormCall(static, (q_weight is not None, k_weight is not None))
+    return _qk_norm_rope(call, q, k, weights, arrays)
+
+
+apply_qk_norm_rope = qk_norm_rope

@@ -397,3 +397,166 @@ def to_layout(call: Call, y: np.ndarray, shape) -> np.ndarray:
     elif call.layout == "thd":
         y = y[0]
     return y.reshape(shape)
+
+
+# ------------------------------------------------- q/k RMSNorm + RoPE --
+def round_to(y: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 values rounded to ``dtype`` and back: the kernel's ``round_T``.
+
+    Parameters
+    ----------
+    y : numpy.ndarray
+        float64 values.
+    dtype : str
+        ``"float64"`` (no rounding), ``"float32"``, ``"float16"`` or
+        ``"bfloat16"``; the half types round through float32, as a value
+        computed in fp32 is rounded.
+
+    Returns
+    -------
+    numpy.ndarray
+        float64 values that ``dtype`` holds exactly.
+
+    Examples
+    --------
+    >>> round_to(np.array([1 + 2.0 ** -9]), "bfloat16")
+    array([1.])
+    """
+    if dtype == "float64":
+        return y
+    f32 = np.asarray(y, np.float64).astype(np.float32)
+    if dtype == "float32":
+        return f32.astype(np.float64)
+    if dtype == "float16":
+        return f32.astype(np.float16).astype(np.float64)
+    bits = encoded(f32.astype(np.float64), np.zeros(f32.shape, np.uint16), "bfloat16")
+    return decoded(bits, "bfloat16")
+
+
+def _weight_rows(weight, norm, heads: int, head_dim: int):
+    """A weight's w' (w, 1 + w) as float64 broadcasting over [b, s, h, d]
+    rows, or None for weight_mode "none"."""
+    if norm.weight_mode == "none":
+        return None
+    w = _table(weight) if hasattr(weight, "obj") else _f64(weight)
+    w = w.reshape((heads, head_dim) if norm.scope == "token" else (head_dim,))
+    return 1.0 + w if norm.weight_mode == "1+w" else w
+
+
+def _row_axes(norm) -> tuple:
+    """The axes of a [b, s, h, d] slab that one norm row spans."""
+    return (-1,) if norm.scope == "head" else (-2, -1)
+
+
+def _normalized(x: np.ndarray, norm):
+    """(x_hat, rstd) of float64 x [b, s, h, d], rstd keeping the row axes."""
+    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=_row_axes(norm), keepdims=True) + norm.eps)
+    return x * rstd, rstd
+
+
+def qk_norm_rope_slabs(call: Call, weights, norm) -> list:
+    """The float64 forward of the q/k RMSNorm + RoPE of every slab.
+
+    Per norm row (one head, or all heads of a token with scope "token"):
+    x_hat = x / sqrt(mean(x^2) + eps), w' = w, 1 + w or 1; then
+    y = round_T(round_T(x_hat) * w') (rounding "before_weight") or
+    y = round_T(x_hat * w') ("after_weight"), T the input dtype (float64:
+    no rounding); then y rotated as :func:`rope_slabs` rotates x (channels
+    past rotary_dim normalized, not rotated). Slabs that do not rotate (v of
+    a packed projection) are copied.
+
+    Parameters
+    ----------
+    call : cupy_rope.validate.Call
+        A checked forward call (q and k slabs; v last if present); host
+        positions, offsets and cu_seqlens.
+    weights : tuple
+        The weights of the rotating slabs in order (q_weight, k_weight):
+        descriptions (:class:`~cupy_rope.interop.Tensor`) or arrays of
+        [head_dim] (scope "head") or [heads * head_dim] (scope "token");
+        None entries for weight_mode "none".
+    norm : cupy_rope.validate.NormOptions
+        The checked norm options.
+
+    Returns
+    -------
+    list of numpy.ndarray
+        One float64 [batch, seqlen, heads, head_dim] array per slab.
+
+    Examples
+    --------
+    For q [2, 16, 8, 64] and k [2, 16, 2, 64] with per-head weights [64]:
+    a list of a [2, 16, 8, 64] and a [2, 16, 2, 64] array.
+    """
+    pos = host_positions(call)
+    if pos is None:
+        raise ValueError("the NumPy reference needs host positions, offsets and cu_seqlens")
+    cos, sin = cos_sin_of(call, pos)
+    out = []
+    for i, slab in enumerate(call.slabs):
+        x = slab_input(call, slab)
+        if not slab.rotate:
+            out.append(x)
+            continue
+        x_hat, _ = _normalized(x, norm)
+        w = _weight_rows(weights[i], norm, slab.heads, call.head_dim)
+        if w is None:
+            y = round_to(x_hat, call.dtype)
+        elif norm.rounding == "before_weight":
+            y = round_to(round_to(x_hat, call.dtype) * w, call.dtype)
+        else:
+            y = round_to(x_hat * w, call.dtype)
+        out.append(rotate(y, cos, sin, call.rotary_dim, call.interleaved))
+    return out
+
+
+def qk_norm_rope_backward_slabs(call: Call, inputs, weights, norm) -> tuple:
+    """The float64 gradients of :func:`qk_norm_rope_slabs` (no rounding).
+
+    Per norm row, with dy the output gradient: g = dy rotated by -theta,
+    dn = g * w', dx = rstd * (dn - x_hat * mean(dn * x_hat)), and the
+    weight's gradient the sum over every row of g * x_hat (the same for
+    weight_mode "1+w").
+
+    Parameters
+    ----------
+    call : cupy_rope.validate.Call
+        A checked backward call whose slabs read the output gradients
+        (dy of q, then of k); host positions, offsets and cu_seqlens.
+    inputs : tuple of cupy_rope.validate.Slab
+        The forward inputs q and k, read as slabs on the call's geometry.
+    weights : tuple
+        As for :func:`qk_norm_rope_slabs`.
+    norm : cupy_rope.validate.NormOptions
+        The forward's norm options.
+
+    Returns
+    -------
+    dx : list of numpy.ndarray
+        float64 [batch, seqlen, heads, head_dim] per slab.
+    dweight : list of numpy.ndarray or None
+        float64 [head_dim] (scope "head") or [heads * head_dim] ("token")
+        per slab; None for weight_mode "none".
+
+    Examples
+    --------
+    For dq [2, 16, 8, 64], dk [2, 16, 2, 64] and per-head weights: dx is a
+    [2, 16, 8, 64] and a [2, 16, 2, 64] array, dweight two [64] arrays.
+    """
+    pos = host_positions(call)
+    if pos is None:
+        raise ValueError("the NumPy reference needs host positions, offsets and cu_seqlens")
+    cos, sin = cos_sin_of(call, pos)
+    dxs, dws = [], []
+    for slab, inp, weight in zip(call.slabs, inputs, weights):
+        g = rotate(slab_input(call, slab), cos, sin, call.rotary_dim, call.interleaved,
+                   backward=True)
+        x_hat, rstd = _normalized(slab_input(call, inp), norm)
+        w = _weight_rows(weight, norm, slab.heads, call.head_dim)
+        dn = g if w is None else g * w
+        axes = _row_axes(norm)
+        dxs.append(rstd * (dn - x_hat * np.mean(dn * x_hat, axis=axes, keepdims=True)))
+        if w is not None:
+            dw = (g * x_hat).sum(axis=(0, 1) if norm.scope == "token" else (0, 1, 2))
+            dws.append(dw.reshape(-1))
+    return dxs, (dws if norm.weight_mode != "none" else None)

@@ -691,3 +691,601 @@ def rope_qkv(qkv: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = 
 apply_rope = rope
 apply_rope_qk = rope_qk
 apply_rope_qkv = rope_qkv
+
+
+# ======================================== q/k RMSNorm + RoPE (issue 31) ==
+# ``qk_norm_rope``: (q, k, q_weight, k_weight) -> new (q, k), normalized then
+# rotated in one launch (cupy_rope.qk_norm.apply_qk_norm_rope); its backward
+# is ``qk_norm_rope_backward`` -> (dq, dk, dq_weight, dk_weight), which needs
+# the forward's inputs (the norm is not linear), so q, k and the weights are
+# saved. ``qk_norm_rope_`` normalizes and rotates in place. The norm's
+# options follow the common arguments, before the per-axis ones.
+from . import qk_norm as _qk_norm  # noqa: E402
+
+__all__ += ["qk_norm_rope", "qk_norm_rope_", "apply_qk_norm_rope"]
+
+_NORM_DATA = "Tensor? q_weight, Tensor? k_weight"
+_NORM_EXTRA = ", str norm_scope, str weight_mode, str rounding, float eps"
+_NORM_ORDER = ("norm_scope", "weight_mode", "rounding", "eps")
+_NNORM = len(_NORM_ORDER)
+
+
+def _norm_kwargs(a: dict) -> dict:
+    """Library keyword arguments of a norm op: the rotation's, then the norm's."""
+    kw = _kwargs_of(_common(a))
+    kw.update((n, a[n]) for n in _NORM_ORDER)
+    return kw
+
+
+def _qk_norm_rope_impl(a):
+    out_q, out_k = torch.empty_like(a["q"]), torch.empty_like(a["k"])
+    _call(_qk_norm.apply_qk_norm_rope, a["q"], a["k"], a["q_weight"], a["k_weight"],
+          out_q=out_q, out_k=out_k, **_norm_kwargs(a))
+    return out_q, out_k
+
+
+def _qk_norm_rope_inplace_impl(a):
+    _call(_qk_norm.apply_qk_norm_rope, a["q"], a["k"], a["q_weight"], a["k_weight"],
+          inplace=True, **_norm_kwargs(a))
+
+
+def _qk_norm_rope_backward_impl(a):
+    dq, dk = torch.empty_like(a["grad_q"]), torch.empty_like(a["grad_k"])
+    _, _, dwq, dwk = _call(_qk_norm.apply_qk_norm_rope_backward, a["grad_q"], a["grad_k"],
+                           a["q"], a["k"], a["q_weight"], a["k_weight"], out_q=dq, out_k=dk,
+                           **_norm_kwargs(a))
+    if dwq is None:  # weight_mode "none": the schema returns tensors, so empty ones
+        dwq, dwk = dq.new_empty(0), dq.new_empty(0)
+    return dq, dk, dwq, dwk
+
+
+def _weight_grads_fake(grad_q, q_weight, k_weight):
+    if q_weight is None:
+        return grad_q.new_empty(0), grad_q.new_empty(0)
+    return torch.empty_like(q_weight), torch.empty_like(k_weight)
+
+
+_qk_norm_rope_op = _define("qk_norm_rope", f"Tensor q, Tensor k, {_NORM_DATA}", _NORM_EXTRA,
+                           "(Tensor, Tensor)", _qk_norm_rope_impl)
+_qk_norm_rope_inplace_op = _define("qk_norm_rope_", f"Tensor(a!) q, Tensor(b!) k, {_NORM_DATA}",
+                                   _NORM_EXTRA, "()", _qk_norm_rope_inplace_impl,
+                                   mutates=("q", "k"))
+_qk_norm_rope_backward_op = _define(
+    "qk_norm_rope_backward", f"Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, {_NORM_DATA}",
+    _NORM_EXTRA, "(Tensor, Tensor, Tensor, Tensor)", _qk_norm_rope_backward_impl)
+_qk_norm_rope_op.register_fake(lambda q, k, *args: (torch.empty_like(q), torch.empty_like(k)))
+_qk_norm_rope_inplace_op.register_fake(lambda q, k, *args: None)
+_qk_norm_rope_backward_op.register_fake(
+    lambda grad_q, grad_k, q, k, q_weight, k_weight, *args:
+    (torch.empty_like(grad_q), torch.empty_like(grad_k))
+    + _weight_grads_fake(grad_q, q_weight, k_weight))
+
+
+def _qk_norm_rope_setup(ctx, inputs, output):
+    """Save q, k, the weights and the angle tensors; keep the statics, the
+    norm's options and the per-axis arguments."""
+    ctx.save_for_backward(*inputs[:4 + _NT])
+    start = 4 + _NT + _NSTATIC
+    ctx.static = tuple(inputs[4 + _NT:start])
+    ctx.norm = tuple(inputs[start:start + _NNORM])
+    axes = tuple(inputs[start + _NNORM:start + _NNORM + _NAXES])
+    ctx.axes = axes + tuple(_AXES_DEFAULTS[n] for n in _AXES_ORDER[len(axes):])
+
+
+def _qk_norm_rope_grad(ctx, grad_q, grad_k):
+    q, k, q_weight, k_weight, *angles = ctx.saved_tensors
+    dq, dk, dwq, dwk = torch.ops.cupy_rope.qk_norm_rope_backward(
+        grad_q, grad_k, q, k, q_weight, k_weight, *angles, *ctx.static, *ctx.norm, *ctx.axes)
+    if q_weight is None:
+        dwq = dwk = None
+    return (dq, dk, dwq, dwk) + (None,) * (_NT + _NSTATIC + _NNORM + _NAXES)
+
+
+_qk_norm_rope_op.register_autograd(_qk_norm_rope_grad, setup_context=_qk_norm_rope_setup)
+
+
+def _norm_op_args(q, k, q_weight, k_weight, angles: dict, norm: dict) -> tuple:
+    """Positional op arguments after q and k: the weights, the rotation's
+    arguments (checked as :func:`rope_qk` checks them), the norm's options
+    (checked by the library's own rules, so that a bad value is named before
+    it meets the schema) and the per-axis arguments."""
+    for t, name in ((q, "q"), (k, "k")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+    if torch.compiler.is_compiling():
+        # Traced: the library checks the values when the op runs (its check
+        # uses NumPy, which dynamo does not trace); the schema checks the types.
+        options = tuple(norm[n] for n in _NORM_ORDER)
+    else:
+        options = _qk_norm.check_norm(**norm)
+    args = _op_args(q, *(angles[n] for n in _ANGLE_NAMES), angles["layout"],
+                    angles["interleaved"], angles["rotary_dim"], angles["head_dim"],
+                    angles["cp_size"], angles["cp_rank"])
+    axes = _axes_args(angles["sections"], angles["sections_interleaved"])
+    return (q_weight, k_weight, *args, *options, *axes)
+
+
+#: The norm's parameters of :func:`qk_norm_rope` and :func:`qk_norm_rope_`.
+_NORM_PARAMETERS = """q_weight, k_weight : torch.Tensor, optional
+        1-D [d] (``norm_scope="head"``) or [hq * d] and [hk * d]
+        (``"token"``), of one dtype, on q's device; both None for
+        ``weight_mode="none"``. Gradients flow to them.
+    cos, sin : torch.Tensor, optional
+        Tables [max_position, r/2].
+    inv_freq, freqs, cos_sin_cache, positions, offsets, layout, cu_seqlens, \
+cp_size, cp_rank, interleaved, rotary_dim, head_dim, sections, sections_interleaved : optional
+        The rotation's arguments, as in :func:`rope_qk` (``docs/api.md``).
+    eps : float, default 1e-6
+        Added to the mean square (the module's ``variance_epsilon`` / ``eps``).
+    norm_scope : {"head", "token"}, default "head"
+        Normalize each head (Qwen3, Gemma 3) or all heads of a token (OLMo 2).
+    weight_mode : {"w", "1+w", "none"}, default "w"
+        x_hat * w, x_hat * (1 + w) (Gemma), or no weight.
+    rounding : {"before_weight", "after_weight"}, default "before_weight"
+        Round x_hat to q's dtype before the weight (Llama, Qwen3) or once
+        after it (Gemma, OLMo 2's ``(w * x_hat).to(dtype)``)."""
+
+
+def _norm_doc(f):
+    """Fill ``f``'s docstring with :data:`_NORM_PARAMETERS`."""
+    f.__doc__ = f.__doc__ % {"norm_parameters": _NORM_PARAMETERS}
+    return f
+
+
+@_norm_doc
+def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Optional[Tensor] = None,
+                 k_weight: Optional[Tensor] = None, cos: Optional[Tensor] = None,
+                 sin: Optional[Tensor] = None, *, inv_freq=None, freqs=None,
+                 cos_sin_cache=None, positions=None, offsets=None, layout: str = "bshd",
+                 cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0, interleaved: bool = False,
+                 rotary_dim: Optional[int] = None, head_dim: Optional[int] = None,
+                 sections: Optional[Sequence[int]] = None, sections_interleaved: bool = False,
+                 eps: float = 1e-6, norm_scope: str = "head", weight_mode: str = "w",
+                 rounding: str = "before_weight") -> Tuple[Tensor, Tensor]:
+    """RMSNorm of q and k, then their rotation, in one launch; differentiable
+    with respect to q, k and both weights.
+
+    The math of :func:`cupy_rope.apply_qk_norm_rope`: per row, x_hat = x /
+    sqrt(mean(x^2) + eps) in fp32, times the weight, rounded as ``rounding``
+    says, then rotated; channels past ``rotary_dim`` are normalized, not
+    rotated. The backward is one launch of
+    :func:`cupy_rope.apply_qk_norm_rope_backward` (the weight gradients are
+    reduced over tokens deterministically). Traceable by
+    ``torch.compile(fullgraph=True)`` and capturable in a CUDA graph; CPU
+    tensors run the NumPy reference.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        [.., hq, d] in ``layout`` (heads may be flattened where ``head_dim``
+        is given).
+    k : torch.Tensor
+        [.., hk, d] on q's token axes, q's dtype.
+    %(norm_parameters)s
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        New tensors of q's and k's shapes and dtype.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, as :func:`cupy_rope.apply_qk_norm_rope` does
+        (a weight of the wrong shape, dtype or device, eps <= 0, an unknown
+        option, a weight given for ``weight_mode="none"``); also a
+        ``ValueError`` for an angle tensor that requires grad.
+
+    Examples
+    --------
+    >>> import torch, cupy_rope.torch as crt
+    >>> q, k = torch.randn(2, 16, 8, 64), torch.randn(2, 16, 2, 64)
+    >>> wq = torch.ones(64, requires_grad=True)
+    >>> wk = torch.ones(64, requires_grad=True)
+    >>> inv = 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64)
+    >>> q2, k2 = crt.qk_norm_rope(q, k, wq, wk, inv_freq=inv, eps=1e-6)
+    >>> (q2.sum() + k2.sum()).backward()           # wq.grad, wk.grad: [64]
+    >>> wq.grad.shape
+    torch.Size([64])
+    """
+    args = _norm_op_args(q, k, q_weight, k_weight, dict(
+        cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs, cos_sin_cache=cos_sin_cache,
+        positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, layout=layout,
+        interleaved=interleaved, rotary_dim=rotary_dim, head_dim=head_dim, cp_size=cp_size,
+        cp_rank=cp_rank, sections=sections, sections_interleaved=sections_interleaved),
+        dict(norm_scope=norm_scope, weight_mode=weight_mode, rounding=rounding, eps=eps))
+    return torch.ops.cupy_rope.qk_norm_rope(q, k, *args)
+
+
+@_norm_doc
+def qk_norm_rope_(q: Tensor, k: Tensor, q_weight: Optional[Tensor] = None,
+                  k_weight: Optional[Tensor] = None, cos: Optional[Tensor] = None,
+                  sin: Optional[Tensor] = None, *, inv_freq=None, freqs=None,
+                  cos_sin_cache=None, positions=None, offsets=None, layout: str = "bshd",
+                  cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
+                  interleaved: bool = False, rotary_dim: Optional[int] = None,
+                  head_dim: Optional[int] = None, sections: Optional[Sequence[int]] = None,
+                  sections_interleaved: bool = False, eps: float = 1e-6,
+                  norm_scope: str = "head", weight_mode: str = "w",
+                  rounding: str = "before_weight") -> Tuple[Tensor, Tensor]:
+    """Normalize and rotate q and k in place in one launch and return ``(q, k)``.
+
+    Every channel is overwritten (the norm changes channels past
+    ``rotary_dim`` too). With autograd recording for q, k or a weight, the
+    result is computed out of place from copies of q and k (the backward
+    needs the inputs, which the write would destroy) and copied back;
+    otherwise no buffer is allocated.
+
+    Parameters
+    ----------
+    q, k : torch.Tensor
+        As in :func:`qk_norm_rope`; overwritten.
+    %(norm_parameters)s
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        ``q`` and ``k`` themselves.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`qk_norm_rope`; nothing is written then.
+
+    Examples
+    --------
+    >>> import torch, cupy_rope.torch as crt
+    >>> q, k = torch.randn(2, 16, 8, 64), torch.randn(2, 16, 2, 64)
+    >>> w = torch.ones(64)
+    >>> inv = 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64)
+    >>> crt.qk_norm_rope_(q, k, w, w, inv_freq=inv)[0] is q
+    True
+    """
+    args = _norm_op_args(q, k, q_weight, k_weight, dict(
+        cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs, cos_sin_cache=cos_sin_cache,
+        positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, layout=layout,
+        interleaved=interleaved, rotary_dim=rotary_dim, head_dim=head_dim, cp_size=cp_size,
+        cp_rank=cp_rank, sections=sections, sections_interleaved=sections_interleaved),
+        dict(norm_scope=norm_scope, weight_mode=weight_mode, rounding=rounding, eps=eps))
+    if _records_grad(q, k, *(w for w in (q_weight, k_weight) if isinstance(w, Tensor))):
+        yq, yk = torch.ops.cupy_rope.qk_norm_rope(q.clone(), k.clone(), *args)
+        q.copy_(yq)
+        k.copy_(yk)
+        return q, k
+    torch.ops.cupy_rope.qk_norm_rope_(q, k, *args)
+    return q, k
+
+
+apply_qk_norm_rope = qk_norm_rope
+
+
+# ------------------------------------------------ rope + KV-cache write --
+# Issue 32's ops (cupy_rope.kv_cache): rotate q and k and store the rotated
+# k and v at their cache slots, in one launch. After their data tensors
+# they take the common arguments, then the cache options (_CACHE_EXTRA).
+# A per-tensor FP8 scale is a tensor (device-resident: a replayed CUDA graph
+# reads its current value) or a float (a constant of the call); each has a
+# schema slot of its own, since a schema argument has one type. No backward
+# is registered: these are inference ops (a cache write has no gradient).
+_CACHE_EXTRA = (", str cache_layout, str? cache_dtype, Tensor? k_scale, Tensor? v_scale, "
+                "Tensor? q_scale, float? k_scale_value, float? v_scale_value, "
+                "float? q_scale_value, ScalarType? q_dtype")
+_CACHE_NAMES = ("cache_layout", "cache_dtype", "k_scale", "v_scale", "q_scale", "k_scale_value",
+                "v_scale_value", "q_scale_value", "q_dtype")
+_HEADS_EXTRA = ", SymInt num_q_heads, SymInt num_kv_heads"
+
+
+def _cache_kwargs(a: dict) -> dict:
+    """Library keyword arguments of a cache op: the common ones, the layout
+    always (the library's default, thd, is not the schema's bshd), the cache
+    options and whichever form of each scale was given."""
+    kw = _kwargs_of(_common(a))
+    kw.update(layout=a["layout"], cache_layout=a["cache_layout"])
+    if a["cache_dtype"] is not None:
+        kw["cache_dtype"] = a["cache_dtype"]
+    for name in ("k_scale", "v_scale", "q_scale"):
+        value = a[name] if a[name] is not None else a[name + "_value"]
+        if value is not None:
+            kw[name] = value
+    return kw
+
+
+def _new_q(like: Tensor, shape, q_dtype) -> Tensor:
+    """The rotated q's new tensor: q's dtype, or an FP8 ``q_dtype``."""
+    return like.new_empty(shape, dtype=like.dtype if q_dtype is None else q_dtype)
+
+
+def _rope_and_cache_impl(a):
+    from . import kv_cache
+
+    out_q = _new_q(a["q"], a["q"].shape, a["q_dtype"])
+    _call(kv_cache.apply_rope_and_cache, a["q"], a["k"], a["v"], a["k_cache"], a["v_cache"],
+          a["slot_mapping"], out_q=out_q, **_cache_kwargs(a))
+    return out_q
+
+
+def _rope_and_cache_inplace_impl(a):
+    from . import kv_cache
+
+    _call(kv_cache.apply_rope_and_cache, a["q"], a["k"], a["v"], a["k_cache"], a["v_cache"],
+          a["slot_mapping"], inplace=True, **_cache_kwargs(a))
+
+
+def _qkv_q_shape(a) -> tuple:
+    return _qkv_shapes(a["qkv"].shape, a["num_q_heads"], a["num_kv_heads"], a["head_dim"],
+                       a["layout"])[0]
+
+
+def _qkv_rope_and_cache_impl(a):
+    from . import kv_cache
+
+    out_q = _new_q(a["qkv"], _qkv_q_shape(a), a["q_dtype"])
+    _call(kv_cache.apply_qkv_rope_and_cache, a["qkv"], a["k_cache"], a["v_cache"],
+          a["slot_mapping"], out_q=out_q, num_q_heads=a["num_q_heads"],
+          num_kv_heads=a["num_kv_heads"], **_cache_kwargs(a))
+    return out_q
+
+
+def _qkv_rope_and_cache_inplace_impl(a):
+    from . import kv_cache
+
+    _call(kv_cache.apply_qkv_rope_and_cache, a["qkv"], a["k_cache"], a["v_cache"],
+          a["slot_mapping"], inplace=True, num_q_heads=a["num_q_heads"],
+          num_kv_heads=a["num_kv_heads"], **_cache_kwargs(a))
+
+
+_CACHE_DATA = "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping"
+_rope_and_cache_op = _define("rope_and_cache", "Tensor q, Tensor k, Tensor v, " + _CACHE_DATA,
+                             _CACHE_EXTRA, "Tensor", _rope_and_cache_impl,
+                             mutates=("k_cache", "v_cache"))
+_rope_and_cache_inplace_op = _define(
+    "rope_and_cache_", "Tensor(a!) q, Tensor k, Tensor v, " + _CACHE_DATA, _CACHE_EXTRA, "()",
+    _rope_and_cache_inplace_impl, mutates=("q", "k_cache", "v_cache"))
+_qkv_rope_and_cache_op = _define("qkv_rope_and_cache", "Tensor qkv, " + _CACHE_DATA,
+                                 _HEADS_EXTRA + _CACHE_EXTRA, "Tensor",
+                                 _qkv_rope_and_cache_impl, mutates=("k_cache", "v_cache"))
+_qkv_rope_and_cache_inplace_op = _define(
+    "qkv_rope_and_cache_", "Tensor(a!) qkv, " + _CACHE_DATA, _HEADS_EXTRA + _CACHE_EXTRA, "()",
+    _qkv_rope_and_cache_inplace_impl, mutates=("qkv", "k_cache", "v_cache"))
+
+
+def _cache_fake_args(n_data: int, extra: tuple, args: tuple) -> dict:
+    """{name: arg} of a cache op's arguments after its ``n_data`` data tensors."""
+    return dict(zip(_ORDER + extra + _CACHE_NAMES, args[n_data - 1:]))
+
+
+@_rope_and_cache_op.register_fake
+def _rope_and_cache_fake(q, *args):
+    return _new_q(q, q.shape, _cache_fake_args(6, (), args)["q_dtype"])
+
+
+@_qkv_rope_and_cache_op.register_fake
+def _qkv_rope_and_cache_fake(qkv, *args):
+    a = _cache_fake_args(4, ("num_q_heads", "num_kv_heads"), args)
+    a["qkv"] = qkv
+    return _new_q(qkv, _qkv_q_shape(a), a["q_dtype"])
+
+
+_rope_and_cache_inplace_op.register_fake(lambda *args: None)
+_qkv_rope_and_cache_inplace_op.register_fake(lambda *args: None)
+
+
+def _scale_args(scale, name: str) -> tuple:
+    """(tensor, float) schema slots of a scale: a tensor, a number, or None."""
+    if scale is None or isinstance(scale, Tensor):
+        return scale, None
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
+                                                                     np.floating)):
+        raise TypeError(f"{name}: expected a float or a 1-element float32 tensor, got "
+                        f"{type(scale).__name__}")
+    return None, float(scale)
+
+
+def _in_place(inplace, q_dtype) -> bool:
+    """The ``inplace`` flag, checked (an in-place q keeps its dtype)."""
+    if validate._as_bool(inplace, "inplace") and q_dtype is not None:
+        raise ValueError("q_dtype: only for a new q; with inplace=True q keeps its dtype")
+    return bool(inplace)
+
+
+def _cache_op_args(x, angles: dict, cache: dict) -> tuple:
+    """The common op arguments (checked as the other ops' are), then the cache
+    options in schema order, from the public keyword arguments."""
+    common = _op_args(x, *(angles[n] for n in ("cos", "sin", "inv_freq", "freqs",
+                                              "cos_sin_cache", "positions", "offsets",
+                                              "cu_seqlens", "layout", "interleaved",
+                                              "rotary_dim", "head_dim")), 1, 0)
+    for name, optional in (("cache_layout", False), ("cache_dtype", True)):
+        value = cache[name]
+        if not isinstance(value, str) and not (optional and value is None):
+            raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
+    q_dtype = cache["q_dtype"]
+    if q_dtype is not None and not isinstance(q_dtype, torch.dtype):
+        raise TypeError(f"q_dtype: expected a torch.dtype or None, got {type(q_dtype).__name__}")
+    tensors, values = zip(*(_scale_args(cache[n], n) for n in ("k_scale", "v_scale", "q_scale")))
+    return common + (cache["cache_layout"], cache["cache_dtype"], *tensors, *values, q_dtype)
+
+
+#: The parameters of the cache functions, in their docstrings (one text).
+_CACHE_PARAMETERS = """k_cache, v_cache : torch.Tensor
+        [num_blocks, block_size, hk, d] (``cache_layout="NHD"``) or
+        [num_blocks, hk, block_size, d] (``"HND"``), q's dtype or FP8
+        (``torch.float8_e4m3fn`` / ``float8_e5m2``); written at the slots.
+    slot_mapping : torch.Tensor
+        int32/int64 [t] (thd) or [b, s]: slot = block * block_size + offset
+        of each token; a negative slot marks a padding token (nothing is
+        written for it). CPU slots are checked (in range, distinct); device
+        slots are not read on the host: the kernel skips those out of range.
+    cos, sin, inv_freq, freqs, cos_sin_cache, positions, offsets, cu_seqlens : optional
+        The angle sources and positions, as in :func:`cupy_rope.apply_rope`
+        (reference: ``docs/api.md``).
+    layout : {"thd", "bshd", "sbhd"}, default "thd"
+        Token axes of q, k and v.
+    interleaved, rotary_dim, head_dim : optional
+        Pairing style and rotated width, as in :func:`cupy_rope.apply_rope`;
+        the tail channels of k and v are cached unrotated.
+    cache_layout : {"NHD", "HND"}, default "NHD"
+        Axis order of the caches.
+    cache_dtype : {"float8_e4m3fn", "float8_e5m2"}, optional
+        The FP8 format of caches given as uint8 storage.
+    k_scale, v_scale : float or torch.Tensor, optional
+        FP8 caches only (required then): stored = x / scale, saturated to
+        the format's finite range, round to nearest even. A float, or a
+        1-element float32 tensor on q's device (read by the kernel, so a
+        replayed CUDA graph uses its current value).
+    q_dtype : torch.dtype, optional
+        Out of place only: an FP8 dtype returns q in it (with ``q_scale``),
+        for FP8 attention.
+    q_scale : float or torch.Tensor, optional
+        The scale of an FP8 ``q_dtype``.
+    inplace : bool, default False
+        Rotate q in place (its tail channels untouched) instead of returning
+        a new tensor."""
+
+
+def _cache_doc(f):
+    """Fill ``f``'s docstring with :data:`_CACHE_PARAMETERS`."""
+    f.__doc__ = f.__doc__ % {"cache_parameters": _CACHE_PARAMETERS}
+    return f
+
+
+@_cache_doc
+def rope_and_cache(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   slot_mapping: Tensor, cos: Optional[Tensor] = None,
+                   sin: Optional[Tensor] = None, *, inv_freq=None, freqs=None,
+                   cos_sin_cache=None, positions=None, offsets=None, layout: str = "thd",
+                   cu_seqlens=None, interleaved: bool = False, rotary_dim: Optional[int] = None,
+                   head_dim: Optional[int] = None, cache_layout: str = "NHD",
+                   cache_dtype: Optional[str] = None, k_scale=None, v_scale=None,
+                   q_scale=None, q_dtype: Optional[torch.dtype] = None,
+                   inplace: bool = False) -> Tensor:
+    """Rotate q and k and write the rotated k and v into a paged KV cache, in one launch.
+
+    The torch op ``cupy_rope::rope_and_cache`` (``rope_and_cache_`` in
+    place) of :func:`cupy_rope.kv_cache.apply_rope_and_cache`: it declares
+    the caches (and q in place) mutated and has a fake implementation, so
+    ``torch.compile(fullgraph=True)`` traces it and a CUDA graph captures it
+    (run it once before capturing; new positions and slots are copied into
+    the captured tensors before a replay). No gradient: an inference op.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        [t, hq, d] (thd) or [b, s, hq, d] / [s, b, hq, d]; heads may be
+        flattened with ``head_dim``.
+    k, v : torch.Tensor
+        [.., hk, d] on q's token axes, q's dtype; only read.
+    %(cache_parameters)s
+
+    Returns
+    -------
+    torch.Tensor
+        The rotated q: a new tensor of q's shape (dtype ``q_dtype`` or q's),
+        or q itself (``inplace=True``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, as :func:`cupy_rope.kv_cache.apply_rope_and_cache`
+        does; nothing is written then.
+
+    Examples
+    --------
+    >>> import torch, cupy_rope.torch as crt
+    >>> t, hq, hk, d = 3, 4, 2, 64
+    >>> q, k, v = torch.randn(t, hq, d), torch.randn(t, hk, d), torch.randn(t, hk, d)
+    >>> k_cache, v_cache = torch.zeros(8, 16, hk, d), torch.zeros(8, 16, hk, d)
+    >>> inv = 1.0 / 10000 ** (torch.arange(0, d, 2) / d)
+    >>> q_rot = crt.rope_and_cache(q, k, v, k_cache, v_cache, torch.tensor([16, 17, -1]),
+    ...                            inv_freq=inv, positions=torch.tensor([0, 1, 2]))
+    >>> torch.equal(v_cache[1, :2], v[:2]), bool((v_cache[1, 2:] == 0).all())
+    (True, True)
+    """
+    args = _cache_op_args(q, dict(
+        cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs, cos_sin_cache=cos_sin_cache,
+        positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, layout=layout,
+        interleaved=interleaved, rotary_dim=rotary_dim, head_dim=head_dim), dict(
+        cache_layout=cache_layout, cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale,
+        q_scale=q_scale, q_dtype=q_dtype))
+    if _in_place(inplace, q_dtype):
+        torch.ops.cupy_rope.rope_and_cache_(q, k, v, k_cache, v_cache, slot_mapping, *args)
+        return q
+    return torch.ops.cupy_rope.rope_and_cache(q, k, v, k_cache, v_cache, slot_mapping, *args)
+
+
+@_cache_doc
+def qkv_rope_and_cache(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                       cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, *,
+                       num_q_heads: int, num_kv_heads: int, head_dim: Optional[int] = None,
+                       inv_freq=None, freqs=None, cos_sin_cache=None, positions=None,
+                       offsets=None, layout: str = "thd", cu_seqlens=None,
+                       interleaved: bool = False, rotary_dim: Optional[int] = None,
+                       cache_layout: str = "NHD", cache_dtype: Optional[str] = None,
+                       k_scale=None, v_scale=None, q_scale=None,
+                       q_dtype: Optional[torch.dtype] = None, inplace: bool = False) -> Tensor:
+    """:func:`rope_and_cache` from a packed projection: split, rotate and store in one launch.
+
+    The torch op ``cupy_rope::qkv_rope_and_cache`` (``qkv_rope_and_cache_``
+    in place) of :func:`cupy_rope.kv_cache.apply_qkv_rope_and_cache`.
+
+    Parameters
+    ----------
+    qkv : torch.Tensor
+        Token axes ([t] thd, [b, s] / [s, b]) then [(hq + 2 hk) * d] or
+        [hq + 2 hk, d]: q's heads, then k's, then v's; only read unless
+        ``inplace=True`` (q's part rotated in place).
+    num_q_heads, num_kv_heads : int
+        hq and hk.
+    head_dim : int, optional
+        d, where the heads are flattened (default: the width over hq + 2 hk).
+    %(cache_parameters)s
+
+    Returns
+    -------
+    torch.Tensor
+        The rotated q [.., hq, d]: a new tensor, or (``inplace=True``) a
+        view of q's part of ``qkv``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, as
+        :func:`cupy_rope.kv_cache.apply_qkv_rope_and_cache` does; nothing is
+        written then.
+
+    Examples
+    --------
+    >>> import torch, cupy_rope.torch as crt
+    >>> t, hq, hk, d = 3, 4, 2, 64
+    >>> qkv = torch.randn(t, (hq + 2 * hk) * d)
+    >>> k_cache, v_cache = torch.zeros(8, hk, 16, d), torch.zeros(8, hk, 16, d)
+    >>> inv = 1.0 / 10000 ** (torch.arange(0, d, 2) / d)
+    >>> q = crt.qkv_rope_and_cache(qkv, k_cache, v_cache, torch.tensor([0, 1, 2]),
+    ...                            inv_freq=inv, positions=torch.tensor([5, 6, 7]),
+    ...                            num_q_heads=hq, num_kv_heads=hk, cache_layout="HND")
+    >>> q.shape, torch.equal(v_cache[0, :, 2], qkv[2, (hq + hk) * d:].view(hk, d))
+    (torch.Size([3, 4, 64]), True)
+    """
+    hq = validate._as_int(num_q_heads, "num_q_heads")
+    hk = validate._as_int(num_kv_heads, "num_kv_heads")
+    args = _cache_op_args(qkv, dict(
+        cos=cos, sin=sin, inv_freq=inv_freq, freqs=freqs, cos_sin_cache=cos_sin_cache,
+        positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, layout=layout,
+        interleaved=interleaved, rotary_dim=rotary_dim, head_dim=head_dim), dict(
+        cache_layout=cache_layout, cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale,
+        q_scale=q_scale, q_dtype=q_dtype))
+    heads = args[:_NT + _NSTATIC] + (hq, hk) + args[_NT + _NSTATIC:]
+    if not _in_place(inplace, q_dtype):
+        return torch.ops.cupy_rope.qkv_rope_and_cache(qkv, k_cache, v_cache, slot_mapping,
+                                                      *heads)
+    torch.ops.cupy_rope.qkv_rope_and_cache_(qkv, k_cache, v_cache, slot_mapping, *heads)
+    q_shape, _ = _qkv_shapes(qkv.shape, hq, hk, args[_NT + 4], layout)
+    if qkv.dim() < len(q_shape):  # heads flattened: splitting the last axis is a view
+        qkv = qkv.unflatten(-1, (hq + 2 * hk, q_shape[-1]))
+    return qkv[..., :hq, :]
+
+
+apply_rope_and_cache = rope_and_cache
+apply_qkv_rope_and_cache = qkv_rope_and_cache
+__all__ += ["rope_and_cache", "qkv_rope_and_cache", "apply_rope_and_cache",
+            "apply_qkv_rope_and_cache"]

@@ -69,8 +69,8 @@ class NormOptions(NamedTuple):
 
     scope: str = "head"  # "head": each head's head_dim channels; "token": all heads of a token
     weight_mode: str = "w"  # "w": x_hat * w; "1+w": x_hat * (1 + w) (Gemma); "none": no weight
-    # "before_weight": x_hat rounded to x's dtype, then times w, rounded (Llama, Qwen3,
-    # OLMo 2); "after_weight": x_hat * w in fp32, rounded once (Gemma)
+    # "before_weight": x_hat rounded to x's dtype, then times w, rounded (Llama, Qwen3);
+    # "after_weight": x_hat * w in fp32, rounded once (Gemma, OLMo 2)
     rounding: str = "before_weight"
     eps: float = 1e-6
 

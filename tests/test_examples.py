@@ -27,6 +27,22 @@ def test_example_runs(script):
     assert "partial rotary: rotary_dim 32 of 128" in proc.stdout
 
 
+def test_paged_decode_example():
+    """examples/paged_decode.py: on a GPU its logits, tokens and CUDA-graph
+    cache match the stock model (exit status 0 only then); without one it
+    says that it needs a GPU."""
+    pytest.importorskip("transformers")
+    from helpers import gpu_available
+
+    proc = run_example("paged_decode.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if not gpu_available():
+        assert "needs a CUDA GPU" in proc.stdout
+        return
+    assert proc.stdout.count(" ok\n") == 8, proc.stdout
+    assert "all checks passed" in proc.stdout
+
+
 def test_jax_example_without_jax_says_how_to_get_it(tmp_path):
     """Where JAX is missing, examples/jax_jit.py says in one line how to
     install it (the ``jax`` extra), without a traceback."""

@@ -53,13 +53,14 @@ def cpu_kernel_path(monkeypatch):
     behind cupy_rope.torch), counting its calls."""
     monkeypatch.setattr(crhf, "_DEVICES", ("cuda", "cpu"))
     calls = []
-    orig = crt.rope_qk
+    for name in ("rope_qk", "qk_norm_rope"):  # rotation alone; fused q/k norms + rotation
+        orig = getattr(crt, name)
 
-    def spy(*a, **k):
-        calls.append(k.get("rotary_dim"))
-        return orig(*a, **k)
+        def spy(*a, _orig=orig, **k):
+            calls.append(k.get("rotary_dim"))
+            return _orig(*a, **k)
 
-    monkeypatch.setattr(crt, "rope_qk", spy)
+        monkeypatch.setattr(crt, name, spy)
     return calls
 
 

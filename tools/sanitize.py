@@ -12,7 +12,10 @@ M-RoPE, context parallel), every angle source (fp32 tables, tables in x's
 dtype, cos|sin cache, inv_freq, angle table), both pair styles, partial
 rotary in and out of place, strided / unaligned / transposed views, q+k with
 GQA, decode head groups, fused QKV forward and backward, positions outside
-the table (NaN, never an out-of-bounds read) and empty inputs.
+the table (NaN, never an out-of-bounds read), empty inputs, the fused q/k
+RMSNorm + RoPE (both scopes, forward and backward with weight gradients) and
+RoPE + KV-cache write (both cache layouts, FP8, padding and out-of-range
+device slots).
 tools/gpu_suite.sh runs it under memcheck, racecheck and initcheck.
 """
 
@@ -452,6 +455,103 @@ def outside_the_table_and_empty():
     for shape in ((0, 4, 2, 32), (2, 0, 2, 32), (2, 4, 0, 32)):
         cupy_rope.apply_rope(cupy.zeros(shape, np.float32), dev(cos), dev(sin))
     return 6
+
+
+@case
+def qk_norm_rope():
+    """The fused q/k RMSNorm + RoPE: both scopes, weight modes, partial
+    rotary, thd with cu_seqlens; the backward with its weight gradients."""
+    from cupy_rope import qk_norm
+
+    n = 0
+    for dtype in ("bfloat16", "float32"):
+        for scope, mode, d, r in (("head", "w", 128, 128), ("head", "1+w", 80, 40),
+                                  ("token", "w", 64, 64), ("head", "none", 256, 128)):
+            hq, hk, t = 6, 2, 37
+            cos, sin = tables(r, 64)
+            cu = np.array([0, 5, 5, 30, t], np.int32)
+            wq = None if mode == "none" else normal((d if scope == "head" else hq * d,), dtype)
+            wk = None if mode == "none" else normal((d if scope == "head" else hk * d,), dtype)
+            kw = dict(cos=cos, sin=sin, layout="thd", cu_seqlens=cu, rotary_dim=r,
+                      norm_scope=scope, weight_mode=mode)
+            q, k = normal((t, hq, d), dtype), normal((t, hk, d), dtype)
+            run(f"norm {scope} {mode} d{d}", qk_norm.apply_qk_norm_rope, dtype,
+                [q, k, wq, wk], kw)
+            grads = [normal((t, hq, d), dtype), normal((t, hk, d), dtype)]
+            want = qk_norm.apply_qk_norm_rope_backward(*[up(a) for a in grads + [q, k, wq, wk]],
+                                                       **{a: up(b) for a, b in kw.items()})
+            got = qk_norm.apply_qk_norm_rope_backward(*[dev(a) for a in grads + [q, k, wq, wk]],
+                                                      **{a: dev(b) for a, b in kw.items()})
+            for g, w in zip(got, want):
+                if w is not None:
+                    compare(host(g), w, dtype, f"norm backward {scope} {mode} d{d}")
+            n += 2
+    return n
+
+
+@case
+def rope_and_cache():
+    """RoPE + KV-cache write: NHD and HND, bf16 and FP8 caches, padding
+    tokens and device slots past the cache (skipped, never written)."""
+    from cupy_rope import kv_cache
+
+    n = 0
+    hq, hk, d, bs, blocks, t = 8, 2, 128, 16, 6, 9
+    cos, sin = tables(d, 200)
+    slots = np.array([3, 17, -1, 40, 95, 2, -1, 60, 4000], np.int64)  # 4000: past the cache
+    pos = rng.integers(0, 200, t).astype(np.int64)
+    for layout in ("NHD", "HND"):
+        for fmt in ("bfloat16", "float8_e4m3fn"):
+            shape = (blocks, bs, hk, d) if layout == "NHD" else (blocks, hk, bs, d)
+            q, k, v = (normal((t, h, d), "bfloat16") for h in (hq, hk, hk))
+            fp8 = fmt != "bfloat16"
+            kw = dict(cos=cos, sin=sin, positions=pos, cache_layout=layout)
+            if fp8:
+                kw.update(cache_dtype=fmt, k_scale=0.5, v_scale=0.25)
+            store = np.uint8 if fp8 else BF16
+            fill = np.full(shape, 0x7F if fp8 else np.nan, store)
+            d_caches = [cupy.asarray(fill), cupy.asarray(fill)]
+            d_q = kv_cache.apply_rope_and_cache(*[cupy.asarray(a) for a in (q, k, v)],
+                                                *d_caches, cupy.asarray(slots),
+                                                **{a: dev(b) for a, b in kw.items()})
+            ref_slots = np.where(slots < blocks * bs, slots, -1)  # the host refuses 4000
+            h_caches = [fill.copy(), fill.copy()]
+            h_q = kv_cache.apply_rope_and_cache(q, k, v, *h_caches, ref_slots, **kw)
+            compare(host(d_q), h_q, "bfloat16", f"cache q {layout} {fmt}")
+            for got, want in zip(d_caches, h_caches):
+                got = host(got)
+                if fp8:
+                    assert np.array_equal(got, want), f"cache {layout} {fmt}: FP8 bits differ"
+                else:
+                    compare(got, want, "bfloat16", f"cache {layout} {fmt}", nan_ok=True)
+            n += 1
+    # The prefill path (several heads a thread; forced on few tokens by a zero
+    # blocks-per-SM threshold), on strided token rows, partial rotary, varlen
+    # and an e5m2 cache.
+    from cupy_rope import launch
+
+    t, r = 40, 64
+    cos, sin = tables(r, 64)
+    cu = np.array([0, 7, 7, 40], np.int32)
+    wide = normal((t, hq + 2 * hk + 1, d), "bfloat16")  # q, k, v as views of one array
+    q, k, v = wide[:, :hq], wide[:, hq:hq + hk], wide[:, hq + hk:hq + 2 * hk]
+    slots = rng.permutation(blocks * bs)[:t].astype(np.int64)
+    kw = dict(cos=cos, sin=sin, layout="thd", cu_seqlens=cu, rotary_dim=r,
+              cache_dtype="float8_e5m2", k_scale=2.0, v_scale=0.5)
+    fill = np.full((blocks, bs, hk, d), 0x7F, np.uint8)
+    with launch.override_policy(blocks_per_sm=0):
+        d_wide = cupy.asarray(wide)
+        d_caches = [cupy.asarray(fill), cupy.asarray(fill)]
+        d_q = kv_cache.apply_rope_and_cache(d_wide[:, :hq], d_wide[:, hq:hq + hk],
+                                            d_wide[:, hq + hk:hq + 2 * hk], *d_caches,
+                                            cupy.asarray(slots),
+                                            **{a: dev(b) for a, b in kw.items()})
+    h_caches = [fill.copy(), fill.copy()]
+    h_q = kv_cache.apply_rope_and_cache(q, k, v, *h_caches, slots, **kw)
+    compare(host(d_q), h_q, "bfloat16", "cache prefill q")
+    for got, want in zip(d_caches, h_caches):
+        assert np.array_equal(host(got), want), "cache prefill: FP8 bits differ"
+    return n + 1
 
 
 def main(names=()) -> int:

@@ -1,0 +1,410 @@
+// Rotary position embedding fused with the KV-cache write: one launch
+// rotates q (into its output, or in place) and k, and stores the rotated k
+// and v at their cache slots (cupy_rope/kv_cache.py). k and v themselves
+// are only read.
+//
+// The rotation is rope_kernel's (kernels/rope.cu): the same angle sources,
+// position rules and rotation helpers, so that q and the cached k agree bit
+// for bit with apply_rope_qk. What differs is where results go:
+//   q -> out (Params.out_data[0], strides of Params.slab[0].out), in q's
+//        dtype or FP8 (Q_FORMAT);
+//   k, v -> k_cache / v_cache at slot = slot_mapping[token]:
+//        block = slot / block_size, offset = slot % block_size, element
+//        block * stride_block + offset * stride_offset + head * stride_head
+//        + channel * stride_dim (NHD and HND caches are two stride orders),
+//        in k's dtype or FP8 (CACHE_FORMAT).
+// A token whose slot is negative (padding) or not below num_blocks *
+// block_size writes nothing to either cache; its q is rotated all the same.
+// FP8 values are the element rounded to its own dtype first, then divided
+// by the scale in fp32 and converted with round to nearest even, saturated
+// to the format's finite range: what torch gives for
+// (x.float() / scale).clamp(-max, max).to(float8) with the scale a float32
+// tensor (torch divides a CUDA tensor by a Python float as a product with
+// its reciprocal, which can round differently).
+//
+// Thread layout (cupy_rope/kv_cache.py picks the sizes):
+//   threadIdx.x: an item of a head row: items [0, ROT_ITEMS) each handle
+//                PAIRS pairs (for v: the same channels, copied), the rest
+//                TAIL_VEC channels of the tail [ROTARY_DIM, HEAD_DIM).
+//   threadIdx.y: head lane; heads are numbered q [0, hq), k [hq, hq + hk),
+//                v [hq + hk, hq + 2 hk) and a lane walks its block's heads
+//                with step blockDim.y, UNROLL heads' loads per pass.
+//   threadIdx.z: token lane; blockIdx.x: token block; blockIdx.y: head group
+//                (few tokens: the heads split over several blocks).
+#include "angles.cuh"
+
+namespace rope {
+
+// Where a cache element lives (cupy_rope/kv_cache.py packs the same struct).
+struct CacheView {
+  i64 stride_block;
+  i64 stride_offset;
+  i64 stride_head;
+  i64 stride_dim;
+};
+
+// Storage formats of an output: the input's dtype, or an FP8 format.
+enum StoreFormat : int { SAME = 0, E4M3 = 1, E5M2 = 2 };
+
+constexpr int CACHE_THREADS = 256;     // threads per block (cupy_rope/kv_cache.py THREADS)
+constexpr int CACHE_BLOCK_TOKENS = 64;  // token lanes of a block (blockDim.z, CUDA's limit)
+
+// The kernel's parameters: rope_kernel's (slab 0 q with its output, slab 1
+// k, slab 2 v; only their x views, q's out view and the angle and position
+// fields are read), then the per-call pointers of the cache write, then
+// what is fixed per call signature.
+struct CacheParams : Params {
+  const void* slot_mapping;
+  void* cache_data[2];       // k_cache, v_cache
+  const float* scale_ptr[3];  // q out, k cache, v cache: a device scale, or null
+  CacheView cache[2];
+  i64 n_slots;      // num_blocks * block_size
+  i64 block_size;
+  i64 slot_stride_outer;
+  i64 slot_stride_inner;
+  i64 slot_is_64;
+  i64 heads_q;
+  i64 heads_kv;
+  i64 heads_per_block;  // heads of one head group (blockIdx.y)
+  float scale[3];       // used where scale_ptr is null
+  float pad_;
+};
+
+// FP8 without the sm_89 conversion instructions: round to nearest even,
+// saturated to the largest finite value; NaN stays NaN.
+template <int FORMAT>
+__device__ __forceinline__ unsigned fp8_bits_soft(float x) {
+  constexpr int MAN = FORMAT == E4M3 ? 3 : 2;
+  constexpr int BIAS = FORMAT == E4M3 ? 7 : 15;
+  constexpr unsigned MAX_CODE = FORMAT == E4M3 ? 0x7eu : 0x7bu;
+  constexpr unsigned NAN_CODE = 0x7fu;
+  const unsigned u = __float_as_uint(x);
+  const unsigned sign = (u >> 24) & 0x80u;
+  const unsigned a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | NAN_CODE;
+  const int e = static_cast<int>(a >> 23) - 127;
+  unsigned code;
+  if (e < 1 - BIAS) {  // below the smallest normal: a multiple of the subnormal step
+    code = static_cast<unsigned>(rintf(__uint_as_float(a) * exp2f(MAN - (1 - BIAS))));
+  } else if (e > 15) {  // far beyond every finite FP8 value (and inf)
+    code = MAX_CODE;
+  } else {
+    constexpr int SHIFT = 23 - MAN;
+    const unsigned r = a + ((1u << (SHIFT - 1)) - 1u) + ((a >> SHIFT) & 1u);
+    code = (r >> SHIFT) - (static_cast<unsigned>(127 - BIAS) << MAN);
+  }
+  return sign | min(code, MAX_CODE);
+}
+
+// Two floats as two FP8 bytes, lo first in memory.
+template <int FORMAT>
+__device__ __forceinline__ unsigned fp8x2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 890
+  unsigned short r;
+  if constexpr (FORMAT == E4M3)
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return fp8_bits_soft<FORMAT>(lo) | (fp8_bits_soft<FORMAT>(hi) << 8);
+#endif
+}
+
+// The element type an output of FORMAT stores for inputs of type T (FP8:
+// one byte). No <type_traits>: NVRTC compiles without toolkit headers.
+template <typename T, int FORMAT> struct StoredType { typedef unsigned char type; };
+template <typename T> struct StoredType<T, SAME> { typedef T type; };
+template <typename T, int FORMAT>
+using Stored = typename StoredType<T, FORMAT>::type;
+
+// Store N floats (results for an output of x's type T) at p in FORMAT: T
+// rounds once; FP8 rounds to T, divides by `scale`, then converts.
+template <typename T, int FORMAT, int N, bool STRIDED>
+__device__ __forceinline__ void put(Stored<T, FORMAT>* p, i64 stride, const float (&v)[N],
+                                   float scale) {
+  if constexpr (FORMAT == SAME) {
+    store<T, N, STRIDED>(p, stride, v);
+  } else {
+    Packet<unsigned char, N> pk;
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const float lo = to_float(from_float<T>(v[i])) / scale;
+      const float hi = i + 1 < N ? to_float(from_float<T>(v[i + 1])) / scale : 0.0f;
+      const unsigned b = fp8x2<FORMAT>(lo, hi);
+      pk.v[i] = static_cast<unsigned char>(b & 0xffu);
+      if (i + 1 < N) pk.v[i + 1] = static_cast<unsigned char>(b >> 8);
+    }
+    store_raw<unsigned char, N, STRIDED>(p, stride, pk);
+  }
+}
+
+// Store N elements of T as they were loaded (v, tails) in FORMAT.
+template <typename T, int FORMAT, int N, bool STRIDED>
+__device__ __forceinline__ void put_raw(Stored<T, FORMAT>* p, i64 stride, const Packet<T, N>& pk,
+                                        float scale) {
+  if constexpr (FORMAT == SAME) {
+    store_raw<T, N, STRIDED>(p, stride, pk);
+  } else {
+    float v[N];
+    to_floats(pk, v);
+    put<T, FORMAT, N, STRIDED>(p, stride, v, scale);
+  }
+}
+
+// Select among three values with a run-time index, without indexing the
+// parameter struct at run time (which would copy it to local memory).
+template <typename V>
+__device__ __forceinline__ V pick3(int i, V a, V b, V c) {
+  return i == 0 ? a : i == 1 ? b : c;
+}
+
+// One token's head rows: where head h (q [0, hq), k [hq, hq + hk), v
+// [hq + hk, hq + 2 hk)) is read, and where its results go (q's output, or
+// the k / v cache row of the token's slot), with the scales of FP8 outputs.
+template <typename T, int Q_FORMAT, int CACHE_FORMAT, bool STRIDED>
+struct TokenRows {
+  const T* src[3];
+  i64 src_head[3], src_dim[3];
+  Stored<T, Q_FORMAT>* q_dst;
+  i64 q_head, q_dim;
+  Stored<T, CACHE_FORMAT>* kv_dst[2];
+  i64 kv_head[2], kv_dim[2];
+  float scale[3];
+  int hq, n_rot;
+  bool write_kv;  // the slot is valid: k and v are stored
+
+  // The slab of head h (0 q, 1 k, 2 v) and its index there.
+  __device__ __forceinline__ int slab_of(int h) const { return h < hq ? 0 : h < n_rot ? 1 : 2; }
+  __device__ __forceinline__ int local(int h, int s) const {
+    return h - (s == 0 ? 0 : s == 1 ? hq : n_rot);
+  }
+  // A padding token's k and v are dropped at the store.
+  __device__ __forceinline__ bool skipped(int s) const { return s != 0 && !write_kv; }
+
+  // Channel ch of head h (slab s) in the input; its channel stride in `stride`.
+  __device__ __forceinline__ const T* source(int h, int s, i64 ch, i64& stride) const {
+    stride = pick3(s, src_dim[0], src_dim[1], src_dim[2]);
+    return pick3(s, src[0], src[1], src[2]) +
+           local(h, s) * pick3(s, src_head[0], src_head[1], src_head[2]) + ch * stride;
+  }
+
+  // Results (floats) of channels [ch, ch + N) of head h to their destination.
+  template <int N>
+  __device__ __forceinline__ void put_floats(int h, int s, i64 ch, const float (&v)[N]) const {
+    const int j = local(h, s);
+    if (s == 0) {
+      put<T, Q_FORMAT, N, STRIDED>(q_dst + j * q_head + ch * q_dim, q_dim, v, scale[0]);
+    } else {
+      const int c = s - 1;
+      const i64 d = c ? kv_dim[1] : kv_dim[0];
+      put<T, CACHE_FORMAT, N, STRIDED>((c ? kv_dst[1] : kv_dst[0]) +
+                                           j * (c ? kv_head[1] : kv_head[0]) + ch * d,
+                                       d, v, c ? scale[2] : scale[1]);
+    }
+  }
+
+  // Channels [ch, ch + N) of head h copied (v, tails) to their destination.
+  template <int N>
+  __device__ __forceinline__ void put_packet(int h, int s, i64 ch, const Packet<T, N>& pk) const {
+    const int j = local(h, s);
+    if (s == 0) {
+      put_raw<T, Q_FORMAT, N, STRIDED>(q_dst + j * q_head + ch * q_dim, q_dim, pk, scale[0]);
+    } else {
+      const int c = s - 1;
+      const i64 d = c ? kv_dim[1] : kv_dim[0];
+      put_raw<T, CACHE_FORMAT, N, STRIDED>((c ? kv_dst[1] : kv_dst[0]) +
+                                               j * (c ? kv_head[1] : kv_head[0]) + ch * d,
+                                           d, pk, c ? scale[2] : scale[1]);
+    }
+  }
+};
+
+// The head rows of token (outer, inner), whose cache slot is `slot`.
+template <typename T, int Q_FORMAT, int CACHE_FORMAT, bool STRIDED>
+__device__ __forceinline__ TokenRows<T, Q_FORMAT, CACHE_FORMAT, STRIDED> token_rows(
+    const CacheParams& p, i64 outer, i64 inner, i64 slot) {
+  TokenRows<T, Q_FORMAT, CACHE_FORMAT, STRIDED> r;
+  r.hq = static_cast<int>(p.heads_q);
+  r.n_rot = r.hq + static_cast<int>(p.heads_kv);
+  r.write_kv = slot >= 0 && slot < p.n_slots;
+  i64 blk = 0, off = 0;
+  if (r.write_kv) {  // 32-bit division where the slots allow
+    blk = p.n_slots <= 0xffffffffll
+              ? static_cast<unsigned>(slot) / static_cast<unsigned>(p.block_size)
+              : slot / p.block_size;
+    off = slot - blk * p.block_size;
+  }
+#pragma unroll
+  for (int s = 0; s < 3; ++s) {
+    const View& v = p.slab[s].x;
+    r.src[s] = static_cast<const T*>(p.x_data[s]) + outer * v.stride_outer +
+               inner * v.stride_inner;
+    r.src_head[s] = v.stride_head;
+    r.src_dim[s] = STRIDED ? v.stride_dim : 1;
+    r.scale[s] = p.scale_ptr[s] ? *p.scale_ptr[s] : p.scale[s];
+  }
+  const View& o = p.slab[0].out;
+  r.q_dst = static_cast<Stored<T, Q_FORMAT>*>(p.out_data[0]) + outer * o.stride_outer +
+            inner * o.stride_inner;
+  r.q_head = o.stride_head;
+  r.q_dim = STRIDED ? o.stride_dim : 1;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    r.kv_dst[c] = static_cast<Stored<T, CACHE_FORMAT>*>(p.cache_data[c]) +
+                  blk * p.cache[c].stride_block + off * p.cache[c].stride_offset;
+    r.kv_head[c] = p.cache[c].stride_head;
+    r.kv_dim[c] = STRIDED ? p.cache[c].stride_dim : 1;
+  }
+  return r;
+}
+
+// A rotating item: PAIRS pairs of each of the thread's heads [h_first,
+// h_end) in steps of `lanes`, UNROLL heads' loads per pass; q and k rotate,
+// v is copied. `find_angles(c, s)` gives the token's angles; it is called
+// once, after the first pass's loads are issued (as rope_kernel does).
+template <typename T, int HALF, bool INTERLEAVED, int PAIRS, bool STRIDED, int UNROLL,
+          typename Rows, typename FindAngles>
+__device__ __forceinline__ void rotate_rows(const Rows& rows, int item, int h_first, int h_end,
+                                            int lanes, FindAngles find_angles) {
+  constexpr int PACKETS = INTERLEAVED ? 1 : 2;
+  constexpr int WIDTH = INTERLEAVED ? 2 * PAIRS : PAIRS;
+  const int f0 = item * PAIRS;
+  const int ch[2] = {(INTERLEAVED ? 2 : 1) * f0, f0 + HALF};
+  float c[PAIRS], sn[PAIRS];
+  bool have_angles = false;
+  for (int h0 = h_first; h0 < h_end; h0 += lanes * UNROLL) {
+    Packet<T, WIDTH> raw[UNROLL][PACKETS];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int h = h0 + u * lanes;
+      if (h < h_end) {
+        const int s = rows.slab_of(h);
+#pragma unroll
+        for (int q = 0; q < PACKETS; ++q) {
+          i64 xd;
+          const T* x = rows.source(h, s, ch[q], xd);
+          raw[u][q] = load_raw<T, WIDTH, STRIDED>(x, xd);
+        }
+      }
+    }
+    if (!have_angles && h0 < rows.n_rot) {  // v needs none (and follows q and k)
+      find_angles(f0, c, sn);
+      have_angles = true;
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int h = h0 + u * lanes;
+      if (h >= h_end) continue;
+      const int s = rows.slab_of(h);
+      if (rows.skipped(s)) continue;
+      if (s == 2) {
+#pragma unroll
+        for (int q = 0; q < PACKETS; ++q) rows.put_packet(h, s, ch[q], raw[u][q]);
+        continue;
+      }
+      float a[WIDTH], b[WIDTH];
+      to_floats(raw[u][0], a);
+      if constexpr (INTERLEAVED) {
+        rotate_interleaved(a, c, sn);
+      } else {
+        to_floats(raw[u][1], b);
+        rotate_halves(a, b, c, sn);
+        rows.put_floats(h, s, ch[1], b);
+      }
+      rows.put_floats(h, s, ch[0], a);
+    }
+  }
+}
+
+// A tail item: TAIL_VEC channels from `ch` of each of the thread's heads,
+// copied unrotated (q's only when COPY_Q_TAIL: in place they stay as they are).
+template <typename T, int TAIL_VEC, bool STRIDED, int UNROLL, bool COPY_Q_TAIL, typename Rows>
+__device__ __forceinline__ void copy_tails(const Rows& rows, i64 ch, int h_first, int h_end,
+                                           int lanes) {
+  int h_start = h_first;
+  if (!COPY_Q_TAIL && h_first < rows.hq)  // the thread's first k or v head
+    h_start += (rows.hq - h_first + lanes - 1) / lanes * lanes;
+  for (int h0 = h_start; h0 < h_end; h0 += lanes * UNROLL) {
+    Packet<T, TAIL_VEC> raw[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int h = h0 + u * lanes;
+      if (h < h_end) {
+        i64 xd;
+        const T* x = rows.source(h, rows.slab_of(h), ch, xd);
+        raw[u] = load_raw<T, TAIL_VEC, STRIDED>(x, xd);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int h = h0 + u * lanes;
+      if (h >= h_end) continue;
+      const int s = rows.slab_of(h);
+      if (!rows.skipped(s)) rows.put_packet(h, s, ch, raw[u]);
+    }
+  }
+}
+
+template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERLEAVED,
+          int SOURCE, int PAIRS, int TAIL_VEC, bool STRIDED, bool TABLE_STRIDED, int UNROLL,
+          int POS_MODE, int Q_FORMAT, int CACHE_FORMAT, bool COPY_Q_TAIL>
+__global__ void __launch_bounds__(CACHE_THREADS) rope_cache_kernel(const CacheParams p) {
+  static_assert(HEAD_DIM % 2 == 0 && ROTARY_DIM % 2 == 0 && ROTARY_DIM <= HEAD_DIM, "dims");
+  constexpr int HALF = ROTARY_DIM / 2;
+  static_assert(HALF % PAIRS == 0, "PAIRS divides rotary_dim / 2");
+  constexpr int ROT_ITEMS = HALF / PAIRS;
+  constexpr int TAIL = HEAD_DIM - ROTARY_DIM;
+  static_assert(TAIL % TAIL_VEC == 0, "TAIL_VEC divides the tail");
+
+  const int token_lane = threadIdx.z;
+  const i64 first = static_cast<i64>(blockIdx.x) * blockDim.z;
+  const i64 n_tokens = p.n_outer * p.n_inner;
+  const i64 token = first + token_lane;
+  const bool live = token < n_tokens;
+  const i64 tk = live ? token : first;
+  const i64 outer = p.n_outer == 1 ? 0 : tk / p.n_inner;
+  const i64 inner = tk - outer * p.n_inner;
+
+  // VARLEN: the block's sequences, found by its first warp (kernels/positions.cuh).
+  __shared__ int seq_of_lane[CACHE_BLOCK_TOKENS];
+  __shared__ SequenceSignal seq_ready;
+  if constexpr (POS_MODE == VARLEN) {
+    signal_init(seq_ready);
+    find_block_sequences(p, first, min(first + static_cast<i64>(blockDim.z), n_tokens) - 1,
+                         blockDim.z, seq_of_lane);
+    signal_fire(seq_ready);
+  }
+  if (!live) return;
+
+  // Head loads do not wait for the slot: a padding token's k and v are
+  // read and dropped at the store.
+  const i64 slot = load_index(p.slot_mapping,
+                              outer * p.slot_stride_outer + inner * p.slot_stride_inner,
+                              p.slot_is_64);
+  const auto rows = token_rows<T, Q_FORMAT, CACHE_FORMAT, STRIDED>(p, outer, inner, slot);
+  const int h_begin = blockIdx.y * static_cast<int>(p.heads_per_block);
+  const int h_end = min(rows.n_rot + static_cast<int>(p.heads_kv),
+                        h_begin + static_cast<int>(p.heads_per_block));
+  const int h_first = h_begin + static_cast<int>(threadIdx.y);
+  const int item = threadIdx.x;
+  if (item < ROT_ITEMS) {
+    auto find_angles = [&](int f0, float (&c)[PAIRS], float (&sn)[PAIRS]) {
+      i64 pos = 0, seq = 0;
+      if constexpr (POS_MODE == VARLEN) {
+        signal_wait(seq_ready);
+        seq = seq_of_lane[token_lane];
+      }
+      const bool valid = token_position<POS_MODE>(p, token, outer, inner, seq, pos);
+      angles<SOURCE, AngleT, PAIRS, TABLE_STRIDED>(p, pos, valid, f0, c, sn);
+    };
+    rotate_rows<T, HALF, INTERLEAVED, PAIRS, STRIDED, UNROLL>(rows, item, h_first, h_end,
+                                                              blockDim.y, find_angles);
+  } else if constexpr (TAIL > 0) {
+    copy_tails<T, TAIL_VEC, STRIDED, UNROLL, COPY_Q_TAIL>(
+        rows, ROTARY_DIM + static_cast<i64>(item - ROT_ITEMS) * TAIL_VEC, h_first, h_end,
+        blockDim.y);
+  }
+}
+
+}  // namespace rope

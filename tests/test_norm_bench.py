@@ -1,0 +1,45 @@
+"""benchmarks.norm_bench on the CPU: its command line, the copy bytes of a row, and the check of each implementation against the float32 formula."""
+
+from __future__ import annotations
+
+import pytest
+from benchmarks import norm_bench
+
+
+def test_norm_bench_cli_help_and_list(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        norm_bench.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("python -m benchmarks.norm_bench", "of copy", "torch-compile", "--json",
+                 "--peers", "CUDA graph"):
+        assert text in out, text
+    assert norm_bench.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(w.name in out for w in norm_bench.WORKLOADS)
+
+
+def test_norm_bench_copy_bytes_are_the_ops_own():
+    w = norm_bench.WORKLOADS[0]  # q [4, 4096, 32, 128], k [4, 4096, 8, 128], bf16
+    qk = 2 * 4 * 4096 * (32 + 8) * 128
+    assert w.copy_bytes("fwd") == qk  # read q, k; write q, k
+    assert w.copy_bytes("bwd") == 3 * qk // 2  # read dy and x; write dx
+
+
+@pytest.mark.parametrize("scope", ["head", "token"])
+def test_norm_bench_implementations_agree_on_cpu(monkeypatch, scope):
+    """The plumbing and the check on CPU tensors: cupy-rope (its NumPy
+    path) and the torch chain against the float32 formula."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(norm_bench, "DEVICE", "cpu")
+    for w in (norm_bench.NormWorkload("t", "", 2, 16, 4, 2, 64, scope),
+              norm_bench.NormWorkload("d", "", 8, 1, 4, 2, 64, scope, decode=True,
+                                      max_position=64)):
+        tables, s = norm_bench.make_tables(w, torch), norm_bench.make_set(w, torch)
+        ref = norm_bench.reference(w, s, tables, torch)
+        for impl in (norm_bench.Ours(), norm_bench.Chain("rms_norm+rope_qk",
+                     norm_bench.torch_rms_norm, "torch.nn.functional.rms_norm")):
+            fn = (impl.decode if w.decode else impl.forward)(w, tables)
+            errs = norm_bench.check(w, fn, s, ref, torch)
+            assert set(errs) == ({"fwd"} if w.decode else {"fwd", "bwd"}), errs
+            assert all(e < norm_bench.CHECK_TOLERANCE for e in errs.values()), (impl.name, errs)
