@@ -180,6 +180,9 @@ def main() -> int:
     ok = check("thd cos/sin", "thd", x_thd, tables, cu_seqlens, thd_lengths)
     ok &= check("bshd cos/sin", "bshd", x_bshd, tables, None, [s])
     ok &= check("thd inv_freq", "thd", x_thd, computed, cu_seqlens, thd_lengths)
+    # Every rank past its last collective before any tears down: gloo could
+    # abort a rank whose peer left while its own work was still in flight.
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -18,7 +18,14 @@ from cupy_rope import apply_rope_qk, interop
 from cupy_rope.qk_norm import (apply_qk_norm_rope, apply_qk_norm_rope_backward,
                                apply_qkv_norm_rope)
 from cupy_rope.validate import NormOptions
-from helpers import np_dtype
+from helpers import np_dtype as _np_dtype
+
+
+def np_dtype(name: str):
+    """NumPy's dtype of ``name``; bfloat16 needs ml_dtypes (not a dependency)."""
+    if name == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    return _np_dtype(name)
 
 
 # ------------------------------------------------ the independent formula --
