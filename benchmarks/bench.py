@@ -22,7 +22,9 @@ by side on the same inputs, for each peer that imports here
   CUDA events, after a warm-up, rotating among ``--sets`` input sets so that
   the L2 cache does not flatter. The timed calls are queued behind a kernel
   that spins on the GPU until the host has enqueued them all (checked after
-  the fact), so the events time GPU work, not Python.
+  the fact), so the events time GPU work, not Python. This method, the copy
+  baseline below and the CUDA-graph replay are shared with the other
+  benchmarks (``benchmarks/harness.py``).
 * "of copy": every workload is timed against a device-to-device copy of the
   same bytes, measured the same way in the same run: the copy's time over
   the workload's (1.0 is the copy roofline). The bytes are the reads and
@@ -63,11 +65,9 @@ Importable as :func:`run`, which returns the same dict that ``--json`` writes.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
-import re
 import statistics
 import sys
 import time
@@ -75,9 +75,12 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from benchmarks import harness
 from benchmarks import peers as peers_mod
+# Imported by name: the CPU tests replace bench's own time_call, copy_ms and _sync.
+from benchmarks.harness import Timed, copy_ms, time_call  # noqa: F401 (Timed: for callers)
+from benchmarks.harness import sync as _sync
 from benchmarks.peers import Prepared, Unusable
-from cupy_rope.interop import NoCudaDeviceError, require_cuda
 
 OURS = "cupy-rope"
 #: thd workloads also time cupy-rope on the per-token positions the peers are
@@ -105,12 +108,8 @@ GRAPH_CALLS = 100
 NO_TORCH = "torch not available"
 
 
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def _exc_text(exc: BaseException) -> str:
-    return f"{exc.__class__.__name__}: {exc}"
+_log = harness.logger("bench")
+_exc_text = harness.exc_text
 
 
 # ----------------------------------------------------------------------------
@@ -248,12 +247,7 @@ def select_workloads(names=None, filters=None, workloads=None) -> list:
             raise ValueError(f"unknown workload(s) {', '.join(unknown)}; "
                              f"known: {', '.join(by_name)}")
         pool = [w for w in pool if w.name in set(names)]
-    if filters:
-        if isinstance(filters, str):
-            filters = [filters]
-        pats = [re.compile(f) for f in filters]
-        pool = [w for w in pool if any(p.search(w.name) for p in pats)]
-    return pool
+    return harness.matching(pool, [filters] if isinstance(filters, str) else filters)
 
 
 def thd_cu_seqlens(total: int, n_seqs: int, seed: int = 0) -> np.ndarray:
@@ -284,103 +278,6 @@ def rope_tables(rows: int, rotary_dim: int, base: float = 10000.0):
     inv_freq = 1.0 / base ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
     theta = np.arange(rows, dtype=np.float64)[:, None] * inv_freq
     return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
-
-
-# ----------------------------------------------------------------------------
-# GPU timing.
-
-_SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-  const long long start = clock64();
-  while (clock64() - start < cycles) {}
-}
-"""
-_spin_kernel = None
-
-
-def _hold_stream(ms: float = 20.0) -> None:
-    """Queue a kernel that keeps the GPU busy for ``ms`` (at ~2 GHz), so that
-    the host can enqueue the timed calls behind it: the events then time the
-    GPU work alone, not the Python overhead of each call."""
-    global _spin_kernel
-    import cupy
-
-    if _spin_kernel is None:
-        _spin_kernel = cupy.RawKernel(_SPIN, "spin")
-    _spin_kernel((1,), (1,), (np.int64(ms * 2e6),))
-
-
-def _sync() -> None:
-    import cupy
-
-    cupy.cuda.Device().synchronize()
-
-
-class Timed(NamedTuple):
-    ms: float      # median milliseconds per call
-    held: bool     # the host enqueued every call before the spin ended
-
-
-def time_call(fn, sets, reps=30, warmup=5) -> Timed:
-    """Median time of ``fn(*set)`` over ``reps`` calls rotating through ``sets``.
-
-    Each call sits between its own pair of CUDA events; all calls are queued
-    behind a spinning kernel sized from the host cost of a call, and
-    ``held`` says whether the host finished enqueuing before the spin ended
-    (if not, the spin is lengthened and the measurement repeated, twice at most).
-    """
-    import cupy
-
-    for i in range(warmup):
-        fn(*sets[i % len(sets)])
-    _sync()
-    n = max(3, len(sets))
-    t0 = time.perf_counter()
-    for i in range(n):
-        fn(*sets[i % len(sets)])
-    host_ms = (time.perf_counter() - t0) / n * 1e3
-    _sync()
-    hold = min(max(5.0, 2.0 * reps * host_ms + 2.0), 4000.0)
-    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(reps)]
-    held = False
-    for _attempt in range(3):
-        _hold_stream(hold)
-        spin_done = cupy.cuda.Event()
-        spin_done.record()
-        for i, (start, stop) in enumerate(events):
-            args = sets[i % len(sets)]
-            start.record()
-            fn(*args)
-            stop.record()
-        held = not spin_done.done
-        events[-1][1].synchronize()
-        if held:
-            break
-        hold = min(hold * 4, 16000.0)
-    return Timed(statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in events), held)
-
-
-def time_ms(fn, sets, reps=30, warmup=5):
-    """Median milliseconds of ``fn(*set)`` over ``reps``, rotating through ``sets``."""
-    return time_call(fn, sets, reps, warmup).ms
-
-
-def copy_ms(nbytes, n_sets=3, reps=30):
-    """Median time of a device-to-device copy of ``nbytes`` (read + write)."""
-    import cupy
-
-    bufs = [(cupy.empty(nbytes, cupy.uint8), cupy.empty(nbytes, cupy.uint8))
-            for _ in range(n_sets)]
-
-    def run_copy(src, dst):
-        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes,
-                                      cupy.cuda.runtime.memcpyDeviceToDevice,
-                                      cupy.cuda.get_current_stream().ptr)
-
-    t = time_ms(run_copy, bufs, reps)
-    del bufs
-    cupy.get_default_memory_pool().free_all_blocks()
-    return t
 
 
 # ----------------------------------------------------------------------------
@@ -470,12 +367,7 @@ class _Env:
 
         if self.torch is None or self.cupy is None:
             return contextlib.nullcontext()
-        tptr = self.torch.cuda.current_stream().cuda_stream
-        if tptr == self.cupy.cuda.get_current_stream().ptr:
-            return contextlib.nullcontext()
-        from cupy_rope.interop import external_stream
-
-        return external_stream(tptr, self.torch.cuda.current_device())
+        return harness.torch_stream(self.torch)
 
 
 def _module_of(a) -> str:
@@ -777,7 +669,7 @@ class _WorkloadTiming:
             status = "mismatch"
             note = f"{note}; output differs from the reference by {err:.2g}"
         if not held:
-            note += "; host-bound: the spin ended before all calls were queued"
+            note += f"; {harness.HOST_BOUND}"
         of_copy = self.copy_info["copy_time_us"] / (t * 1e3)
         _log(f"{w.name} {direction} {name}: {t * 1e3:.1f} us, {of_copy:.3f} of copy"
              + (f", err {err:.1e}" if err is not None else "") + f" [{status}]")
@@ -1092,27 +984,13 @@ def _captured_decode_graph(env, w, graph_calls):
     """A torch CUDA graph of ``graph_calls`` decode calls, replayed once."""
     import cupy_rope as cr
 
-    torch = env.torch
     ctx = make_context(w, env, "torch")
     form = _decode_form(ctx, env, "torch")
     kw = _decode_kwargs(form, ctx)
     q, k = _decode_views(form, env.randn(w.shape, w.dtype, "torch"),
                          env.randn(w.k_shape, w.dtype, "torch"))
-    # Warm up on a side stream, as torch asks before a capture.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            cr.apply_rope_qk(q, k, **kw)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(graph_calls):
-            cr.apply_rope_qk(q, k, **kw)
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
+    return harness.capture_graph(lambda: cr.apply_rope_qk(q, k, **kw), (), graph_calls,
+                                 env.torch)
 
 
 def _graph_replay_cost(env, w, graph_calls, replays) -> dict:
@@ -1125,17 +1003,8 @@ def _graph_replay_cost(env, w, graph_calls, replays) -> dict:
     torch = env.torch
     try:
         graph = _captured_decode_graph(env, w, graph_calls)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(replays)]
-        with env.stream_context():
-            _hold_stream(5.0)
-        for a, b in events:
-            a.record()
-            graph.replay()
-            b.record()
-        torch.cuda.synchronize()
-        per_replay_ms = statistics.median(a.elapsed_time(b) for a, b in events)
-        out["graph_us_per_call"] = per_replay_ms * 1e3 / graph_calls
+        out["graph_us_per_call"] = harness.graph_replay_us(graph, graph_calls, replays, torch,
+                                                           hold_ms=5.0)
         t0 = time.perf_counter()
         for _ in range(replays):
             graph.replay()
@@ -1624,23 +1493,17 @@ def write_json(result, path) -> None:
         json.dump(result, f, indent=1, default=_json_default)
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser():
+    ap = harness.parser("bench", __doc__)
     ap.add_argument("--workloads", help="comma-separated workload names (see --list)")
     ap.add_argument("--filter", action="append",
                     help="regular expression searched in workload names (repeatable: a "
                          "workload is kept if any matches; with --workloads, both must hold)")
-    ap.add_argument("--peers", default="all",
-                    help="comma-separated peers (" + ", ".join(peers_mod.NAMES) + "), 'all' "
-                         "(default: those that import) or 'none'")
+    harness.add_peers_arg(ap, peers_mod.NAMES)
     ap.add_argument("--json", help="write the results here (updated after each workload)")
     ap.add_argument("--plot", help="write a PNG chart of the fractions of copy here "
                                    "(needs matplotlib)")
-    ap.add_argument("--reps", type=int, default=30,
-                    help="timed calls per row; the median is kept (default %(default)s)")
-    ap.add_argument("--sets", type=int, default=3,
-                    help="input sets rotated between calls (default %(default)s)")
+    harness.add_timing_args(ap)
     ap.add_argument("--no-host", action="store_true",
                     help="skip the decode host-cost timings")
     ap.add_argument("--no-check", action="store_true",
@@ -1649,25 +1512,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--arrays", choices=("torch", "cupy"), default="torch",
                     help="input arrays: torch tensors (default, when torch sees the GPU) "
                          "or CuPy arrays (then no peers and no check)")
-    ap.add_argument("--list", action="store_true", help="list the workloads and exit")
+    harness.add_list_arg(ap)
     return ap
 
 
 def main(argv=None):
-    args = _parser().parse_args(argv)
-    workloads = select_workloads(args.workloads, args.filter)
-    if args.list:
-        for w in workloads:
-            print(f"{w.name:26s} {w.moved_bytes() / 1e6:9.1f} MB  {w.title}")
-        return 0
-    if not workloads:
-        print("no workload selected", file=sys.stderr)
-        return 2
-    try:
-        require_cuda("python -m benchmarks.bench")
-    except NoCudaDeviceError as e:  # one line instead of CuPy's traceback
-        print(e, file=sys.stderr)
-        return 2
+    args, workloads, status = harness.start(
+        _parser(), argv, lambda a: select_workloads(a.workloads, a.filter),
+        lambda w: f"{w.name:26s} {w.moved_bytes() / 1e6:9.1f} MB  {w.title}", "bench")
+    if status is not None:
+        return status
     checkpoint = (lambda res: write_json(res, args.json)) if args.json else None
     result = run(workloads, peers=args.peers, reps=args.reps, n_sets=args.sets,
                  check=not args.no_check, host=not args.no_host, checkpoint=checkpoint,

@@ -26,12 +26,13 @@ at random positions). Per row:
 * ``torch.compile rotation + scatter``: the same written with torch
   operations (the rotate-half formula on gathered bf16 tables) and compiled.
 
-A time is the median over ``--reps`` calls, each between its own pair of CUDA
-events, queued behind a spinning kernel (``benchmarks.bench.time_call``),
-rotating among ``--sets`` input sets (q, k, v and caches of their own).
-"of copy" is a device-to-device copy of the fused op's own bytes (q, k, v
-read; q written; k and v written in the cache's dtype; tables, positions and
-slots not counted), timed the same way in the same run, over the row's time.
+Times, the copy roofline and CUDA-graph replay are measured as
+``benchmarks/harness.py`` describes: a time is the median over ``--reps``
+calls between CUDA events, queued behind a spinning kernel, rotating among
+``--sets`` input sets (q, k, v and caches of their own). "of copy" is a
+device-to-device copy of the fused op's own bytes (q, k, v read; q written;
+k and v written in the cache's dtype; tables, positions and slots not
+counted), timed the same way in the same run, over the row's time.
 "vs unfused" is the row's time over the best unfused chain's. Decode rows of
 the fused op and of the eager chain also give the GPU time per call of
 ``GRAPH_CALLS`` calls captured in one CUDA graph and replayed. Every
@@ -41,27 +42,22 @@ the written cache rows); a mismatch is marked and not counted as best.
 After the table, one PASS/FAIL line per fused row against issue 32's
 targets: prefill at least 0.90 of copy and at most 0.7 of the best unfused
 chain's time; decode at most 6 us of GPU time and 3 us per call replayed.
-``--json`` writes ``rows`` (results/runs.csv's columns: direction ``fwd`` for
-the timed rows, ``host`` for the CUDA-graph rows, as benchmarks/record.py
-records bench.py's), ``details`` (every field) and ``acceptance``.
+``--json`` writes ``device``, ``columns``, ``rows`` (results/runs.csv's
+columns: direction ``fwd`` for the timed rows, ``host`` for the CUDA-graph
+rows, as benchmarks/record.py records bench.py's), ``details`` (every
+field) and ``acceptance``.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import re
-import statistics
-import subprocess
 import sys
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from benchmarks.bench import copy_ms, decode_positions, rope_tables, time_call
-from benchmarks.record import COLUMNS
-from cupy_rope.interop import NoCudaDeviceError, require_cuda
+from benchmarks import harness
+from benchmarks.bench import decode_positions, rope_tables
+from benchmarks.harness import copy_ms, time_call
 
 FUSED = "cupy-rope fused"
 CHAIN = "cupy-rope + index_copy_"
@@ -82,8 +78,7 @@ PREFILL_OF_COPY, PREFILL_VS_UNFUSED = 0.90, 0.7
 DECODE_US, GRAPH_US = 6.0, 3.0
 
 
-def _log(msg: str) -> None:
-    print(f"[cache_bench] {msg}", file=sys.stderr, flush=True)
+_log = harness.logger("cache_bench")
 
 
 # ----------------------------------------------------------------------------
@@ -132,10 +127,7 @@ WORKLOADS = [
 
 def select_workloads(filters=None) -> list:
     """The workloads whose name matches any of the regular expressions (all if none)."""
-    if not filters:
-        return list(WORKLOADS)
-    pats = [re.compile(f) for f in filters]
-    return [w for w in WORKLOADS if any(p.search(w.name) for p in pats)]
+    return harness.matching(WORKLOADS, filters)
 
 
 class PageTable(NamedTuple):
@@ -333,28 +325,9 @@ def check(ctx: Context, call: Callable, base: dict, torch) -> float:
 
 def graph_us_per_call(call: Callable, s: dict, torch, calls=GRAPH_CALLS,
                       replays=GRAPH_REPLAYS) -> float:
-    """GPU microseconds per call of ``calls`` calls captured in one CUDA graph
-    (median over ``replays`` replays, each between its own events)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up off the capture, as torch asks
-        for _ in range(3):
-            call(s)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call(s)
-    graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(replays)]
-    for a, b in events:
-        a.record()
-        graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in events) * 1e3 / calls
+    """GPU microseconds per call of ``calls`` calls on set ``s`` captured in one
+    CUDA graph (median over ``replays`` replays, each between its own events)."""
+    return harness.graph_us_per_call(call, (s,), torch, calls, replays)
 
 
 def _prepare(ctx: Context, torch) -> list:
@@ -365,7 +338,7 @@ def _prepare(ctx: Context, torch) -> list:
         try:
             out.append((name, make(), ""))
         except Exception as exc:  # noqa: BLE001
-            out.append((name, None, f"error: {exc.__class__.__name__}: {exc}"))
+            out.append((name, None, f"error: {harness.exc_text(exc)}"))
     return out
 
 
@@ -381,11 +354,11 @@ def _timed_row(ctx, name, call, sets, copy_us, reps, warmup, torch, graph) -> di
         timed = time_call(call, [(s,) for s in sets], reps, warmup)
         row["microseconds"] = timed.ms * 1e3
         if not timed.held:
-            row["note"] += "; host-bound: the spin ended before all calls were queued"
+            row["note"] += f"; {harness.HOST_BOUND}"
         if graph:
             row["graph_microseconds"] = graph_us_per_call(call, sets[0], torch)
     except Exception as exc:  # noqa: BLE001
-        row["note"] = f"error: {exc.__class__.__name__}: {exc}"
+        row["note"] = f"error: {harness.exc_text(exc)}"
     return row
 
 
@@ -394,15 +367,13 @@ def run_workload(w: CacheWorkload, cache_dtype: str, *, reps=30, n_sets=3, warmu
     """Every implementation's row on one workload and cache dtype."""
     import torch
 
-    from cupy_rope.interop import external_stream
-
     ctx = make_context(w, cache_dtype, torch)
     sets = [make_set(ctx, torch) for _ in range(n_sets)]
     torch.cuda.synchronize()
     cache_itemsize = torch.empty(0, dtype=getattr(torch, cache_dtype)).element_size()
     rows = []
     # CuPy's events, spin and copy on torch's stream, where the implementations run.
-    with external_stream(torch.cuda.current_stream().cuda_stream, torch.cuda.current_device()):
+    with harness.torch_stream(torch):
         copy_us = copy_ms(w.copy_bytes(cache_itemsize), n_sets, reps) * 1e3
         for name, call, note in _prepare(ctx, torch):
             if call is None:
@@ -462,82 +433,55 @@ def acceptance(rows: list) -> list:
     return out
 
 
-def _f(v, spec) -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
 def format_table(rows: list) -> str:
-    head = ("| workload | cache | implementation | us | copy us | of copy | vs best unfused "
-            "| graph us/call | note |\n|---|---|---|---:|---:|---:|---:|---:|---|")
-    lines = [head]
-    for r in rows:
-        lines.append(f"| {r['workload']} | {r['cache_dtype']} | {r['implementation']} "
-                     f"| {_f(r['microseconds'], '.2f')} | {_f(r['copy_microseconds'], '.2f')} "
-                     f"| {_f(r['fraction_of_copy'], '.3f')} | {_f(r['vs_best_unfused'], '.2f')} "
-                     f"| {_f(r.get('graph_microseconds'), '.2f')} | {r['note']} |")
-    return "\n".join(lines)
+    f = harness.fmt
+    return harness.markdown_table(
+        ["workload", "cache", "implementation", "us:", "copy us:", "of copy:",
+         "vs best unfused:", "graph us/call:", "note"],
+        [[r["workload"], r["cache_dtype"], r["implementation"],
+          f(r["microseconds"], ".2f", "n/a"), f(r["copy_microseconds"], ".2f", "n/a"),
+          f(r["fraction_of_copy"], ".3f", "n/a"), f(r["vs_best_unfused"], ".2f", "n/a"),
+          f(r.get("graph_microseconds"), ".2f", "n/a"), r["note"]] for r in rows])
 
 
-def csv_rows(rows: list, *, date: str, run: str, commit: str, gpu: str) -> list:
-    """The rows with results/runs.csv's columns: one per timed row (direction
-    ``fwd``), and one per CUDA-graph timing (direction ``host``, implementation
-    ``... CUDA graph replay``, as benchmarks/record.py records bench.py's)."""
+def csv_rows(rows: list) -> list:
+    """The rows in results/runs.csv's columns, less the run fields: one per
+    timed row (direction ``fwd``), and one per CUDA-graph timing (direction
+    ``host``, implementation ``... CUDA graph replay``, as benchmarks/record.py
+    records bench.py's)."""
     out = []
     for r in rows:
-        base = {"date": date, "run": run, "commit": commit, "gpu": gpu,
-                "workload": f"{r['workload']}-{r['cache_dtype']}", "dtype": r["cache_dtype"],
-                "shape": r["shape"]}
+        where = (f"{r['workload']}-{r['cache_dtype']}", r["cache_dtype"], r["shape"])
         if r["microseconds"] is not None:
-            out.append({**base, "implementation": r["implementation"], "direction": "fwd",
-                        "microseconds": round(r["microseconds"], 3),
-                        "copy_microseconds": round(r["copy_microseconds"], 3),
-                        "fraction_of_copy": round(r["fraction_of_copy"], 4)})
+            out.append(harness.csv_row(*where, r["implementation"], "fwd", r["microseconds"],
+                                       r["copy_microseconds"]))
         if r.get("graph_microseconds") is not None:
-            out.append({**base, "implementation": f"{r['implementation']} CUDA graph replay",
-                        "direction": "host", "microseconds": round(r["graph_microseconds"], 3),
-                        "copy_microseconds": "", "fraction_of_copy": ""})
-    return [{c: row[c] for c in COLUMNS} for row in out]
+            out.append(harness.csv_row(*where, f"{r['implementation']} CUDA graph replay",
+                                       "host", r["graph_microseconds"]))
+    return out
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return ""
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.cache_bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser():
+    ap = harness.parser("cache_bench", __doc__)
     ap.add_argument("--filter", action="append",
                     help="regular expression searched in workload names (repeatable)")
     ap.add_argument("--cache", choices=CACHE_DTYPES, action="append",
                     help="cache dtype(s) (default: both)")
-    ap.add_argument("--reps", type=int, default=30, help="timed calls per row (median kept)")
-    ap.add_argument("--sets", type=int, default=3, help="input sets rotated between calls")
+    harness.add_timing_args(ap)
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
-    ap.add_argument("--json", help="write the rows (results/runs.csv's columns) here")
+    harness.add_rows_json_arg(ap)
     ap.add_argument("--run", help="the run's name in the JSON rows (default cache-DATE)")
-    ap.add_argument("--list", action="store_true", help="list the workloads and exit")
+    harness.add_list_arg(ap)
     return ap
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    workloads = select_workloads(args.filter)
-    if args.list:
-        for w in workloads:
-            print(f"{w.name:22s} {w.moved_bytes(2) / 1e6:8.2f} MB (bf16 cache)  {w.title}")
-        return 0
-    if not workloads:
-        print("no workload selected", file=sys.stderr)
-        return 2
-    try:
-        require_cuda("python -m benchmarks.cache_bench")
-    except NoCudaDeviceError as e:  # one line instead of CuPy's traceback
-        print(e, file=sys.stderr)
-        return 2
+    args, workloads, status = harness.start(
+        _parser(), argv, lambda a: select_workloads(a.filter),
+        lambda w: f"{w.name:22s} {w.moved_bytes(2) / 1e6:8.2f} MB (bf16 cache)  {w.title}",
+        "cache_bench")
+    if status is not None:
+        return status
     import torch
 
     rows = []
@@ -552,13 +496,9 @@ def main(argv=None) -> int:
     for status, text in acceptance(rows):
         print(f"{status}  {text}")
     if args.json:
-        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-        out = {"columns": list(COLUMNS),
-               "rows": csv_rows(rows, date=date, run=args.run or f"cache-{date}",
-                                commit=_commit(), gpu=gpu),
-               "details": rows, "acceptance": acceptance(rows)}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        harness.write_rows(args.json, csv_rows(rows), gpu,
+                           run=args.run or f"cache-{harness.today()}", details=rows,
+                           acceptance=acceptance(rows))
     return 0
 
 

@@ -20,12 +20,15 @@ Rows: bf16 sbhd [4096,1,128,128] and [512,32,24,128]; Llama-3-8B prefill q
 q32/k8, at positions into [8192, 64] tables); and a jitted 8-layer toy model
 (projections, RoPE, ``jax.nn.dot_product_attention``), forward and a
 gradient step, with the formula and with cupy-rope.
+
+These are host timings of back-to-back jitted calls (``per_call_us``,
+``interleaved_us``), not ``benchmarks/harness.py``'s event timing; the rows,
+the table and the command line are the harness's. Without a CUDA device it
+says so in one line and exits with status 2.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from typing import Callable, NamedTuple
@@ -36,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 import cupy_rope.jax as crj
+from benchmarks import harness
 
 F32 = jnp.float32
 
@@ -256,44 +260,41 @@ def model_rows(model: ToyModel = ToyModel()) -> list:
 def csv_rows(workload: str, shape: str, direction: str, copy, timings: dict) -> list:
     """Rows in results/runs.csv's columns (less the run's fields) for one
     timed row: ``timings`` maps each implementation to its microseconds."""
-    rows = []
-    for impl, us in timings.items():
-        rows.append({"workload": workload, "dtype": "bfloat16", "shape": shape,
-                     "implementation": impl, "direction": direction,
-                     "microseconds": f"{us:.3f}",
-                     "copy_microseconds": "" if copy is None else f"{copy:.3f}",
-                     "fraction_of_copy": "" if copy is None else f"{copy / us:.4f}"})
-    return rows
+    return [harness.csv_row(workload, "bfloat16", shape, impl, direction, us, copy)
+            for impl, us in timings.items()]
 
 
 def _shape_of(args) -> str:
     return "+".join("x".join(str(n) for n in a.shape) for a in args)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     """Print the table (module docstring); ``--no-model`` skips the toy model,
     ``--json PATH`` also writes the rows for benchmarks.record."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser("jax_bench", __doc__)
     parser.add_argument("--no-model", action="store_true", help="skip the toy model rows")
     parser.add_argument("--rows", default="", help="only the rows whose name has this text")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds per timing")
-    parser.add_argument("--json", help="write the rows (results/runs.csv columns) here")
+    harness.add_rows_json_arg(parser)
     opts = parser.parse_args(argv)
+    status = harness.no_gpu("jax_bench")
+    if status is not None:
+        return status
     ROUNDS[0] = opts.rounds
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; microseconds per call "
           f"(median of {opts.rounds} interleaved rounds of back-to-back calls); "
           "ours/formula < 1 is faster")
-    print("| row | direction | copy | formula | cupy-rope | ours/formula | path | callback "
-          "| max diff |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(harness.markdown_header(["row", "direction", "copy", "formula", "cupy-rope",
+                                   "ours/formula", "path", "callback", "max diff"]))
     rows = [sbhd_row((4096, 1, 128, 128)), sbhd_row((512, 32, 24, 128)), prefill_row(),
             decode_row(64), decode_row(1), sbhd_row((64, 1, 32, 128), "decode-sized sbhd")]
     out = []
     for row in (r for r in rows if opts.rows in r.name):
         diff = max_difference(row)
         for direction, copy, formula, ours, path, slow in time_row(row):
-            print(f"| {row.name} | {direction} | {copy:.1f} | {formula:.1f} | {ours:.1f} | "
-                  f"{ours / formula:.3f} | {path} | {slow:.1f} | {diff:.3g} |", flush=True)
+            print(harness.markdown_row([row.name, direction, f"{copy:.1f}", f"{formula:.1f}",
+                                        f"{ours:.1f}", f"{ours / formula:.3f}", path,
+                                        f"{slow:.1f}", f"{diff:.3g}"]), flush=True)
             out += csv_rows(f"jax {row.name}", _shape_of(row.args), direction, copy,
                             {"jnp formula (jax)": formula, f"cupy-rope (jax, {path})": ours,
                              "cupy-rope (jax, callback)": slow})
@@ -301,15 +302,16 @@ def main(argv=None) -> None:
         print(f"# last call the fast path refused: {crj.xla.last_refusal[0]}")
     if not opts.no_model and opts.rows in "toy model, 8 layers":
         for direction, formula, ours, path, slow in model_rows():
-            print(f"| toy model, 8 layers | {direction} | - | {formula:.1f} | {ours:.1f} | "
-                  f"{ours / formula:.3f} | {path} | {slow:.1f} | - |", flush=True)
+            print(harness.markdown_row(["toy model, 8 layers", direction, "-", f"{formula:.1f}",
+                                        f"{ours:.1f}", f"{ours / formula:.3f}", path,
+                                        f"{slow:.1f}", "-"]), flush=True)
             out += csv_rows("jax toy model, 8 layers", "", direction, None,
                             {"jnp formula (jax)": formula, f"cupy-rope (jax, {path})": ours,
                              "cupy-rope (jax, callback)": slow})
     if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "rows": out}, f, indent=1)
+        harness.write_rows(opts.json, out, jax.devices()[0].device_kind)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

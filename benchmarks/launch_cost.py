@@ -12,18 +12,20 @@ any Python-launched kernel pays on this host is measured next to ours.
 Some rows reach into cupy-rope's internals (the cached launcher of
 ``RotaryEmbedding.qk_`` and its ``plan``, ``cupy_rope.interop``); a row whose
 internals have changed prints ``n/a`` with the reason instead of stopping
-the script.
+the script. Without a CUDA device it says so in one line and exits with
+status 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import dataclasses
 import threading
 import time
 from typing import Any, Callable
+
+from benchmarks import harness
 
 N = 20000
 
@@ -201,16 +203,7 @@ def graph_rows(s: Decode):
                  empty, 1, 1, 1, 32, 1, 1, 0, torch.cuda.current_stream().cuda_stream,
                  no_args, 0)))
     for name, f in calls:
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):
-            f()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(100):
-                f()
-        g.replay()
-        torch.cuda.synchronize()
+        g = harness.capture_graph(f, (), 100, torch)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(20):
@@ -316,11 +309,13 @@ def rounds_rows(s: Decode):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.launch_cost", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser("launch_cost", __doc__)
     ap.add_argument("--streams", action="store_true", help="only the per-stream-kind rows")
     ap.add_argument("--rounds", action="store_true", help="only the interleaved-rounds rows")
     args = ap.parse_args(argv)
+    status = harness.no_gpu("launch_cost")
+    if status is not None:
+        return status
     s = Decode.make()
     if args.streams:
         stream_rows(s)

@@ -37,11 +37,12 @@ Implementations, each on the same inputs:
 
 What it measures
 ----------------
-* A time is the median over ``--reps`` calls, each between its own pair of
-  CUDA events, queued behind a spinning kernel so that the events time GPU
-  work, rotating among ``--sets`` input sets (``benchmarks.bench.time_call``).
-  The backward is ``torch.autograd.grad`` of a recorded forward (retained)
-  for q, k and both weights: for the compiled module, its compiled backward.
+* Times, the copy and the CUDA-graph replay are measured as
+  ``benchmarks/harness.py`` describes: a time is the median over ``--reps``
+  calls between CUDA events, queued behind a spinning kernel so that the
+  events time GPU work, rotating among ``--sets`` input sets. The backward
+  is ``torch.autograd.grad`` of a recorded forward (retained) for q, k and
+  both weights: for the compiled module, its compiled backward.
 * "of copy": a same-run device-to-device copy of the op's own bytes over the
   op's time (1.0 is the copy roofline). Forward: read q and k, write q and k;
   backward: read the output gradients and q, k, write dq and dk. Weights,
@@ -51,23 +52,17 @@ What it measures
   and every gradient; max error over max |reference|); a row that disagrees
   is marked ``mismatch``.
 
-``--json PATH`` writes ``{"device", "rows"}``, rows in the columns of
+``--json PATH`` writes ``{"device", "columns", "rows"}``, rows in the columns of
 ``results/runs.csv`` (``benchmarks.record`` adds a run's ``*.rows.json``);
 a decode row under CUDA-graph replay is named ``<implementation> (CUDA graph)``.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import statistics
-import subprocess
 import sys
-import time
 from typing import Callable, NamedTuple, Optional
 
-from cupy_rope.interop import NoCudaDeviceError, require_cuda
+from benchmarks import harness
 
 OURS = "cupy-rope"
 COMPILE = "torch-compile"
@@ -79,12 +74,11 @@ DEVICE = "cuda"
 DIRECTIONS = ("fwd", "bwd")
 
 
-def _log(msg: str) -> None:
-    print(f"[norm_bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+_log = harness.logger("norm_bench", clock=True)
 
 
 def _exc_text(exc: BaseException) -> str:
-    return f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return harness.exc_text(exc, first_line=True)
 
 
 # ----------------------------------------------------------------------------
@@ -514,30 +508,8 @@ def _backward_calls(fn, sets, torch) -> list:
 
 def graph_us(fn, args, reps, torch) -> float:
     """GPU microseconds per call of ``GRAPH_CALLS`` calls captured in one CUDA
-    graph, replayed (median over ``reps`` replays, by events)."""
-    from benchmarks.bench import _hold_stream
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn(*args)
-    graph.replay()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    _hold_stream(5.0)
-    for a, b in events:
-        a.record()
-        graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in events) * 1e3 / GRAPH_CALLS
+    graph, replayed (median over ``reps`` replays, by events, behind a spin)."""
+    return harness.graph_us_per_call(fn, args, torch, GRAPH_CALLS, reps, hold_ms=5.0)
 
 
 class Timing(NamedTuple):
@@ -562,8 +534,6 @@ def _row(w, direction, impl, status, note="", us=None, copy_us=None, err=None) -
 def _timed(tm: Timing, direction, name, fn, args, errs, note, torch) -> dict:
     """One timed row: ``fn(*args[i])`` rotating over the sets (or, for
     ``direction`` "graph", a replayed CUDA graph of the decode call)."""
-    from benchmarks.bench import time_call
-
     w, copy_us = tm.w, tm.copy_us["fwd" if direction == "graph" else direction]
     err = errs.get("fwd" if direction == "graph" else direction)
     if isinstance(err, str):
@@ -572,9 +542,9 @@ def _timed(tm: Timing, direction, name, fn, args, errs, note, torch) -> dict:
         if direction == "graph":
             us = graph_us(fn, args[0], tm.reps, torch)
         else:
-            timed = time_call(fn, args, tm.reps, tm.warmup)
+            timed = harness.time_call(fn, args, tm.reps, tm.warmup)
             us = timed.ms * 1e3
-            note += "" if timed.held else "; host-bound: the spin ended before all calls"
+            note += "" if timed.held else f"; {harness.HOST_BOUND}"
     except Exception as exc:  # noqa: BLE001
         return _row(w, "fwd" if direction == "graph" else direction, name, "error",
                     _exc_text(exc), copy_us=copy_us)
@@ -627,12 +597,10 @@ def _free(torch) -> None:
 def workload_rows(w: NormWorkload, impls: list, reps: int, n_sets: int, warmup: int,
                   check_values: bool, torch) -> list:
     """Every implementation's rows on one workload, with the same-run copy."""
-    from benchmarks.bench import copy_ms
-
     tables = make_tables(w, torch)
     sets = [make_set(w, torch) for _ in range(n_sets)]
     directions = ("fwd",) if w.decode else DIRECTIONS
-    copy_us = {d: copy_ms(w.copy_bytes(d), n_sets, reps) * 1e3 for d in directions}
+    copy_us = {d: harness.copy_ms(w.copy_bytes(d), n_sets, reps) * 1e3 for d in directions}
     ref = reference(w, sets[0], tables, torch) if check_values else None
     tm = Timing(w, tables, sets, copy_us, ref, reps, warmup)
     rows = []
@@ -697,78 +665,48 @@ def run(workloads=WORKLOADS, peers="all", reps=30, n_sets=3, warmup=5, check_val
 # Output.
 
 
-def _fmt(v, spec) -> str:
-    return "" if v is None else format(v, spec)
-
-
 def format_table(result) -> str:
-    lines = [f"# {result['device']}, torch {result['torch']}; median GPU microseconds per "
-             "call; x compile > 1: faster than torch.compile",
-             "",
-             "| workload | dir | implementation | us | of copy | x compile | status | note |",
-             "|---|---|---|---:|---:|---:|---|---|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['workload']} | {r['direction']} | {r['implementation']} | "
-                     f"{_fmt(r['us'], '.1f')} | {_fmt(r['of_copy'], '.3f')} | "
-                     f"{_fmt(r.get('x_compile'), '.2f')} | {r['status']} | {r['note']} |")
-    return "\n".join(lines)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return ""
+    f = harness.fmt
+    return "\n".join([
+        f"# {result['device']}, torch {result['torch']}; median GPU microseconds per call; "
+        "x compile > 1: faster than torch.compile", "",
+        harness.markdown_table(
+            ["workload", "dir", "implementation", "us:", "of copy:", "x compile:", "status",
+             "note"],
+            [[r["workload"], r["direction"], r["implementation"], f(r["us"], ".1f"),
+              f(r["of_copy"], ".3f"), f(r.get("x_compile"), ".2f"), r["status"], r["note"]]
+             for r in result["rows"]])])
 
 
 def csv_rows(result) -> list:
-    """The timed rows in the columns of results/runs.csv."""
-    date, commit = datetime.date.today().isoformat(), _commit()
-    return [{"date": date, "run": "", "commit": commit, "gpu": result["device"],
-             "workload": f"qk-norm {r['workload']}", "dtype": r["dtype"], "shape": r["shape"],
-             "implementation": r["implementation"], "direction": r["direction"],
-             "microseconds": f"{r['us']:.3f}",
-             "copy_microseconds": _fmt(r["copy_us"], ".3f"),
-             "fraction_of_copy": _fmt(r["of_copy"], ".4f")}
+    """The timed rows in the columns of results/runs.csv, less the run fields."""
+    return [harness.csv_row(f"qk-norm {r['workload']}", r["dtype"], r["shape"],
+                            r["implementation"], r["direction"], r["us"], r["copy_us"])
             for r in result["rows"] if r["status"] == "ok"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.norm_bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser():
+    ap = harness.parser("norm_bench", __doc__)
     ap.add_argument("--workloads", help="comma-separated workload names (see --list)")
-    ap.add_argument("--peers", default="all",
-                    help="comma-separated peers (" + ", ".join(PEER_NAMES) + "), 'all' "
-                         "(default: those that import) or 'none'")
-    ap.add_argument("--json", help="write the rows (results/runs.csv columns) here")
-    ap.add_argument("--reps", type=int, default=30,
-                    help="timed calls per row; the median is kept (default %(default)s)")
-    ap.add_argument("--sets", type=int, default=3,
-                    help="input sets rotated between calls (default %(default)s)")
+    harness.add_peers_arg(ap, PEER_NAMES)
+    harness.add_rows_json_arg(ap)
+    harness.add_timing_args(ap)
     ap.add_argument("--no-check", action="store_true",
                     help="skip the check against the float32 formula")
-    ap.add_argument("--list", action="store_true", help="list the workloads and exit")
+    harness.add_list_arg(ap)
     return ap
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    workloads = select(args.workloads)
-    if args.list:
-        for w in workloads:
-            print(f"{w.name:18s} {w.shape_text:28s} {w.title}")
-        return 0
-    try:
-        require_cuda("python -m benchmarks.norm_bench")
-    except NoCudaDeviceError as e:  # one line instead of CuPy's traceback
-        print(e, file=sys.stderr)
-        return 2
+    args, workloads, status = harness.start(
+        _parser(), argv, lambda a: select(a.workloads),
+        lambda w: f"{w.name:18s} {w.shape_text:28s} {w.title}", "norm_bench")
+    if status is not None:
+        return status
     result = run(workloads, args.peers, args.reps, args.sets, check_values=not args.no_check)
     print(format_table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": result["device"], "rows": csv_rows(result)}, f, indent=1)
+        harness.write_rows(args.json, csv_rows(result), result["device"])
     return 0
 
 

@@ -18,7 +18,6 @@ import datetime
 import json
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,11 +239,13 @@ def _default_date(run: str) -> str:
 
 def _head_commit() -> str:
     """The short hash of the checked-out commit, the code a fresh run measured."""
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent,
-                         capture_output=True, text=True, check=False)
-    if out.returncode != 0:
+    # Imported here: the harness imports this module's COLUMNS.
+    from benchmarks.harness import commit
+
+    found = commit()
+    if not found:
         raise ValueError("commit: git cannot name HEAD here; pass --commit HASH")
-    return out.stdout.strip()
+    return found
 
 
 def record(run_dir, results=None, commit=None, date=None, run=None) -> int:

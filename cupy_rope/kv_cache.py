@@ -30,11 +30,11 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import interop, launch, reference, validate
+from . import interop, launch, norm_launch, qk_norm, reference, validate
 from .api import written
 from .interop import Tensor
 from .specialize import ANGLE_SOURCES, CXX_TYPES, ITEMSIZE, POS_MODES, get_kernel
-from .validate import INDEX_DTYPES, Call, Options, Slab, fmt_shape
+from .validate import INDEX_DTYPES, Call, NormOptions, Options, Slab, fmt_shape
 
 #: FP8 formats: kernel code (kernels/rope_cache.cu StoreFormat) and largest finite value.
 FP8_FORMATS = {"float8_e4m3fn": (1, 448.0), "float8_e5m2": (2, 57344.0)}
@@ -68,6 +68,15 @@ class CacheSpec:
     q_format: str  # SAME or a key of FP8_FORMATS
     cache_format: str
     copy_q_tail: bool  # q out of place with partial rotary
+    # The per-head q/k RMSNorm (kernels/rope_cache.cu NORM): off, or the
+    # weights' dtype, weight mode, rounding order and the lanes x items a
+    # head row is held by (norm_launch.lane_layout, as the norm op's).
+    norm: bool = False
+    weight_dtype: str = "float32"
+    weight_mode: str = "none"
+    round_before: bool = False
+    lanes: int = 1
+    k_items: int = 1
 
     source_file = "rope_cache.cu"
 
@@ -77,7 +86,10 @@ class CacheSpec:
 
     @property
     def items(self) -> int:
-        """Threads per head row: rotating items, then tail items."""
+        """Threads per head row: rotating items, then tail items (with the
+        norm: the lanes, each holding ``k_items`` items)."""
+        if self.norm:
+            return self.lanes
         return self.rotary_dim // 2 // self.pairs + (self.head_dim - self.rotary_dim) // \
             self.tail_vec
 
@@ -89,7 +101,9 @@ class CacheSpec:
             str(self.rotary_dim), b(self.interleaved), str(ANGLE_SOURCES[self.source]),
             str(self.pairs), str(self.tail_vec), b(self.strided), b(self.table_strided),
             str(self.unroll), str(POS_MODES[self.pos_mode]), fmt(self.q_format),
-            fmt(self.cache_format), b(self.copy_q_tail)]) + ">"
+            fmt(self.cache_format), b(self.copy_q_tail), b(self.norm),
+            CXX_TYPES[self.weight_dtype], str(norm_launch.WEIGHT_MODES[self.weight_mode]),
+            b(self.round_before), str(self.lanes), str(self.k_items)]) + ">"
 
 
 # ------------------------------------------------------------- describe --
@@ -107,13 +121,16 @@ class Cache(NamedTuple):
 class CacheCall(NamedTuple):
     """A validated call: rope's Call (slabs q with its output, k, v), the
     caches, the slots and the scales (q out, k cache, v cache; each None, a
-    float, or a 1-element float32 Tensor)."""
+    float, or a 1-element float32 Tensor), and the per-head q/k norm (None
+    for none; then its weights, described, or (None, None))."""
 
     call: Call
     cache: Cache
     slots: Tensor
     scales: tuple
     q_format: str
+    norm: Optional[NormOptions] = None
+    weights: tuple = (None, None)
 
 
 def _storage(a, name: str, fmt_hint: Optional[str]):
@@ -270,19 +287,36 @@ def _table_names(call: Call) -> tuple:
     return ("cos_sin_cache",) * 2 if cos.obj is sin.obj else ("cos", "sin")
 
 
+def check_cache_norm(q_weight, k_weight, eps, weight_mode, rounding):
+    """(the norm's options or None, the weights described) of a cache call.
+
+    ``weight_mode=None`` means no norm without weights and "w" with them;
+    the checks are those of :func:`cupy_rope.apply_qk_norm_rope` with
+    norm_scope "head" (the only scope offered here)."""
+    if weight_mode is None and q_weight is None and k_weight is None:
+        qk_norm.check_norm("head", "none", rounding, eps)  # bad options still raise
+        return None, (None, None)
+    norm = qk_norm.check_norm("head", "w" if weight_mode is None else weight_mode, rounding, eps)
+    return norm, qk_norm.describe_weights(q_weight, k_weight, norm)
+
+
 def check_cache_call(q, k, v, k_cache, v_cache, slot_mapping, tables, positions=None,
                      offsets=None, cu_seqlens=None, *, layout="thd", interleaved=False,
                      rotary_dim=None, head_dim=None, cache_layout="NHD", cache_dtype=None,
                      k_scale=None, v_scale=None, q_scale=None, inplace=False,
-                     out_q=None) -> CacheCall:
+                     out_q=None, q_weight=None, k_weight=None, eps=1e-6, weight_mode=None,
+                     rounding="before_weight") -> CacheCall:
     """Validate one call of :func:`apply_rope_and_cache` (``tables`` in
     TABLE_NAMES order) before anything is written; raises TypeError or
     ValueError naming the argument."""
     options = validate.check_options(Options(layout, interleaved, rotary_dim, head_dim))
     inplace = validate._as_bool(inplace, "inplace")
+    norm, weights = check_cache_norm(q_weight, k_weight, eps, weight_mode, rounding)
     arrays = validate.describe_arrays("qk", (q, k), tables, positions, offsets, cu_seqlens)
     call = validate.check(arrays, options)
     qs, ks = call.slabs
+    if norm is not None:
+        qk_norm.check_weights(call, weights, norm)
     vs = _v_slab(v, call, options.head_dim)
     cache = _check_caches(k_cache, v_cache, cache_layout, cache_dtype,
                           (call.dtype, call.device, ks.heads, call.head_dim))
@@ -310,7 +344,8 @@ def check_cache_call(q, k, v, k_cache, v_cache, slot_mapping, tables, positions=
         (t, n) for t, n in ((call.positions, "positions"), (call.offsets, "offsets"),
                             (call.cu_seqlens, "cu_seqlens"), (slots, "slot_mapping"))
         if t is not None] + [(t, n) for t, n in zip(scales, ("q_scale", "k_scale", "v_scale"))
-                             if isinstance(t, Tensor)]
+                             if isinstance(t, Tensor)] + [
+        (t, n) for t, n in zip(weights, qk_norm.WEIGHT_NAMES) if t is not None]
     written = [(cache.k, "k_cache"), (cache.v, "v_cache")]
     if qs.out is not None:
         written.append((qs.out, "q" if inplace else "out_q"))
@@ -319,7 +354,7 @@ def check_cache_call(q, k, v, k_cache, v_cache, slot_mapping, tables, positions=
         validate._check_alignment(written + [(vs.x, "v")])
     call = call._replace(slabs=(qs, ks._replace(out=ks.x, out_strides=ks.x_strides), vs),
                          inplace=inplace)
-    return CacheCall(call, cache, slots, scales, q_format)
+    return CacheCall(call, cache, slots, scales, q_format, norm, weights)
 
 
 # ------------------------------------------------------------- reference --
@@ -390,7 +425,11 @@ def reference_into(cc: CacheCall) -> None:
     """The NumPy path: rotate in float64 and write q's output and the cache
     slots as the kernel does (rounded to the input dtype, then FP8 if so)."""
     call, cache = cc.call, cc.cache
-    q_rot, k_rot = reference.rope_slabs(call._replace(slabs=call.slabs[:2]))
+    qk = call._replace(slabs=call.slabs[:2])
+    if cc.norm is None:
+        q_rot, k_rot = reference.rope_slabs(qk)
+    else:
+        q_rot, k_rot = reference.qk_norm_rope_slabs(qk, cc.weights, cc.norm)
     qs, ks, vs = call.slabs
     v_val = reference.slab_input(call, vs)
     scales = [_host_scale(s) for s in cc.scales]
@@ -399,7 +438,8 @@ def reference_into(cc: CacheCall) -> None:
         dst = reference.strided_view(qs.out._replace(obj=base, kind="numpy"), 0, qs.out_strides,
                                      call.batch, call.seqlen, qs.heads, qs.heads, call.head_dim)
         y = q_rot.reshape(dst.shape)
-        r = call.rotary_dim if call.inplace else call.head_dim
+        # In place, q's tail stays as it is, unless the norm changed it.
+        r = call.rotary_dim if call.inplace and cc.norm is None else call.head_dim
         dst[..., :r] = _encode(y[..., :r], call.dtype, cc.q_format, scales[0], dst)
     slots = np.asarray(validate._host_values(cc.slots)).reshape(call.batch, call.seqlen)
     off_axis, head_axis = CACHE_LAYOUTS[cache.layout]
@@ -414,13 +454,14 @@ def reference_into(cc: CacheCall) -> None:
 # ------------------------------------------------------------------ plan --
 #: CacheParams' fields after rope::Params (kernels/rope_cache.cu), in order.
 CACHE_DYNAMIC_FIELDS = (("slot_mapping", "Q"), ("cache_data[0]", "Q"), ("cache_data[1]", "Q"),
-                        ("scale_ptr[0]", "Q"), ("scale_ptr[1]", "Q"), ("scale_ptr[2]", "Q"))
+                        ("scale_ptr[0]", "Q"), ("scale_ptr[1]", "Q"), ("scale_ptr[2]", "Q"),
+                        ("weight[0]", "Q"), ("weight[1]", "Q"))
 CACHE_FIXED_FIELDS = tuple(
     [(f"cache[{c}].{f}", "q") for c in range(2)
      for f in ("stride_block", "stride_offset", "stride_head", "stride_dim")]
     + [(n, "q") for n in ("n_slots", "block_size", "slot_stride_outer", "slot_stride_inner",
                           "slot_is_64", "heads_q", "heads_kv", "heads_per_block")]
-    + [("scale[0]", "f"), ("scale[1]", "f"), ("scale[2]", "f"), ("pad_", "f")])
+    + [("scale[0]", "f"), ("scale[1]", "f"), ("scale[2]", "f"), ("eps", "f")])
 _CACHE_DYNAMIC = struct.Struct("<" + "".join(c for _, c in CACHE_DYNAMIC_FIELDS))
 _CACHE_FIXED = struct.Struct("<" + "".join(c for _, c in CACHE_FIXED_FIELDS))
 CACHE_PARAMS_SIZE = launch.PARAMS_SIZE + _CACHE_DYNAMIC.size + _CACHE_FIXED.size
@@ -477,9 +518,21 @@ def choose_spec(cc: CacheCall, unroll: int) -> CacheSpec:
     tail_vec = 1
     if r < d and not strided:
         tail_vec = launch._widest(widths, lambda w: (d - r) % w == 0 and r % w == 0 and ok(w)) or 1
-    return CacheSpec(call.dtype, call.tables[0].dtype, d, r, call.interleaved, call.source,
+    spec = CacheSpec(call.dtype, call.tables[0].dtype, d, r, call.interleaved, call.source,
                      pairs, tail_vec, strided, table_strided, unroll, call.pos_mode,
                      cc.q_format, cc.cache.format, not call.inplace and r < d)
+    if cc.norm is None:
+        return spec
+    # The norm op's items (norm_launch.choose_spec: the same widths, then
+    # lane_layout), so that both sum a row's squares in one order.
+    lanes, k_items = norm_launch.lane_layout(d, r, pairs, tail_vec)
+    weights = [w for w in cc.weights if w is not None]
+    # With the norm every q channel is written: COPY_Q_TAIL does not apply.
+    return dataclasses.replace(
+        spec, copy_q_tail=False, norm=True,
+        weight_dtype=weights[0].dtype if weights else "float32",
+        weight_mode=cc.norm.weight_mode, round_before=cc.norm.rounding == "before_weight",
+        lanes=lanes, k_items=k_items)
 
 
 class _Shape(NamedTuple):
@@ -529,14 +582,15 @@ def _cache_fixed(cc: CacheCall, shape: _Shape) -> bytes:
               cache.num_blocks * cache.block_size, cache.block_size, *slot_strides,
               int(cc.slots.dtype == "int64"), call.slabs[0].heads, call.slabs[1].heads,
               shape.heads_per_block]
-    fields += [s if isinstance(s, float) else 1.0 for s in cc.scales] + [0.0]
+    fields += [s if isinstance(s, float) else 1.0 for s in cc.scales]
+    fields.append(cc.norm.eps if cc.norm is not None else 0.0)
     return _CACHE_FIXED.pack(*fields)
 
 
 #: The array arguments of apply_rope_and_cache, in the order plans index them.
 ARG_NAMES = ("q", "k", "v", "k_cache", "v_cache", "slot_mapping", "cos", "sin", "inv_freq",
              "freqs", "cos_sin_cache", "positions", "offsets", "cu_seqlens", "out_q",
-             "q_scale", "k_scale", "v_scale")
+             "q_scale", "k_scale", "v_scale", "q_weight", "k_weight")
 _OUT_Q = ARG_NAMES.index("out_q")
 
 
@@ -585,7 +639,8 @@ class Plan:
                source(call.tables[-1], call.table_offsets[-1]),
                source(call.positions), source(call.offsets), source(call.cu_seqlens)])
         self.cache_sources = [source(t) for t in (cc.slots, cc.cache.k, cc.cache.v)] + [
-            source(t) if isinstance(t, Tensor) else (-1, 0) for t in cc.scales]
+            source(t) if isinstance(t, Tensor) else (-1, 0) for t in cc.scales] + [
+            source(t) for t in cc.weights]
 
     def launch(self, ptrs: list, offset: int) -> None:
         """Launch with the call's array pointers (``ptrs[i]`` of array i) on
@@ -655,7 +710,8 @@ def _written_pairs(cc: CacheCall, arrays: list) -> list:
     described = {id(t.obj): t for t in
                  [s.x for s in call.slabs] + [qs.out, cc.cache.k, cc.cache.v, cc.slots]
                  + list(call.tables) + [call.positions, call.offsets, call.cu_seqlens]
-                 + [s for s in cc.scales if isinstance(s, Tensor)] if t is not None}
+                 + [s for s in cc.scales if isinstance(s, Tensor)] + list(cc.weights)
+                 if t is not None}
     pairs = []
     for w in written:
         for j, t in described.items():
@@ -732,7 +788,9 @@ def apply_rope_and_cache(q, k, v, k_cache, v_cache, slot_mapping, cos=None, sin=
                          inv_freq=None, freqs=None, cos_sin_cache=None, positions=None,
                          offsets=None, layout="thd", cu_seqlens=None, interleaved=False,
                          rotary_dim=None, head_dim=None, cache_layout="NHD", cache_dtype=None,
-                         k_scale=None, v_scale=None, q_scale=None, inplace=False, out_q=None):
+                         k_scale=None, v_scale=None, q_scale=None, inplace=False, out_q=None,
+                         q_weight=None, k_weight=None, eps=1e-6, weight_mode=None,
+                         rounding="before_weight"):
     """Rotate q and k and write the rotated k and v into a paged KV cache, in one launch.
 
     q is rotated in place (``inplace=True``), into ``out_q``, or into a new
@@ -779,6 +837,22 @@ interleaved, rotary_dim, head_dim
     out_q : array, optional
         q's shape, q's dtype or FP8 (with ``q_scale``); its tail channels
         are copied from q.
+    q_weight, k_weight : array, optional
+        The per-head q/k RMSNorm of :func:`cupy_rope.apply_qk_norm_rope`
+        (norm_scope "head", the only scope here), applied before the
+        rotation: 1-D contiguous [d], one float dtype, on q's device. q and
+        k heads are normalized, weighted, rounded, rotated and stored (q's
+        tail channels normalized, in place too); v is cached as it is.
+    eps : float
+        Added to the mean square (with the norm).
+    weight_mode : {None, "w", "1+w", "none"}
+        None: no norm without weights, "w" with both weights; "w" and
+        "1+w" need both weights, "none" (a weightless RMS norm) takes none.
+    rounding : {"before_weight", "after_weight"}
+        As for :func:`cupy_rope.apply_qk_norm_rope` (Qwen3: "before_weight").
+        q and the cached k are bit-identical to ``apply_qk_norm_rope``'s
+        results (then cached as this call caches) where both calls read
+        with the same vector widths, as aligned contiguous arrays do.
 
     Returns
     -------
@@ -808,11 +882,16 @@ interleaved, rotary_dim, head_dim
     scalar = lambda s: isinstance(s, (int, float, np.number))  # noqa: E731
     scales = [None if scalar(s) else s for s in (q_scale, k_scale, v_scale)]
     arrays = [q, k, v, k_cache, v_cache, slot_mapping, cos, sin, inv_freq, freqs, cos_sin_cache,
-              positions, None if scalar(offsets) else offsets, cu_seqlens, out_q, *scales]
+              positions, None if scalar(offsets) else offsets, cu_seqlens, out_q, *scales,
+              q_weight, k_weight]
     options = (layout, interleaved, rotary_dim, head_dim, cache_layout, cache_dtype, inplace,
                *[(type(s), s) if scalar(s) else None for s in (q_scale, k_scale, v_scale,
-                                                              offsets)])
+                                                              offsets)],
+               (type(eps), eps if scalar(eps) else id(eps)), weight_mode, rounding)
     key, ptrs = _signature(arrays, options)
+    if not (scalar(eps) and isinstance(weight_mode, (str, type(None)))
+            and isinstance(rounding, str)):
+        key = None  # the general path checks (and refuses) these
     if key is not None:
         prepared = _plans.get(key)
         if prepared is not None:
@@ -824,7 +903,8 @@ interleaved, rotary_dim, head_dim
         positions, offsets, cu_seqlens, layout=layout, interleaved=interleaved,
         rotary_dim=rotary_dim, head_dim=head_dim, cache_layout=cache_layout,
         cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale,
-        inplace=inplace, out_q=out_q)
+        inplace=inplace, out_q=out_q, q_weight=q_weight, k_weight=k_weight, eps=eps,
+        weight_mode=weight_mode, rounding=rounding)
     return _run(cc, arrays, key)
 
 
@@ -833,7 +913,8 @@ def apply_qkv_rope_and_cache(qkv, k_cache, v_cache, slot_mapping, cos=None, sin=
                              cos_sin_cache=None, positions=None, offsets=None, layout="thd",
                              cu_seqlens=None, interleaved=False, rotary_dim=None,
                              cache_layout="NHD", cache_dtype=None, k_scale=None, v_scale=None,
-                             q_scale=None, inplace=False, out_q=None):
+                             q_scale=None, inplace=False, out_q=None, q_weight=None,
+                             k_weight=None, eps=1e-6, weight_mode=None, rounding="before_weight"):
     """:func:`apply_rope_and_cache` from a packed projection, in one launch.
 
     Parameters
@@ -847,6 +928,9 @@ def apply_qkv_rope_and_cache(qkv, k_cache, v_cache, slot_mapping, cos=None, sin=
     head_dim : int, optional
         d (default: from the width and the head counts).
     k_cache, v_cache, slot_mapping, cos, sin, ... : see :func:`apply_rope_and_cache`.
+    q_weight, k_weight, eps, weight_mode, rounding
+        The per-head q/k RMSNorm (Qwen3, Gemma 3), as for
+        :func:`apply_rope_and_cache`: a Qwen3 attention prologue in one launch.
 
     Returns
     -------
@@ -870,7 +954,8 @@ def apply_qkv_rope_and_cache(qkv, k_cache, v_cache, slot_mapping, cos=None, sin=
         cos_sin_cache=cos_sin_cache, positions=positions, offsets=offsets, layout=layout,
         cu_seqlens=cu_seqlens, interleaved=interleaved, rotary_dim=rotary_dim,
         cache_layout=cache_layout, cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale,
-        q_scale=q_scale, inplace=inplace, out_q=out_q)
+        q_scale=q_scale, inplace=inplace, out_q=out_q, q_weight=q_weight, k_weight=k_weight,
+        eps=eps, weight_mode=weight_mode, rounding=rounding)
 
 
 def split_qkv(qkv, num_q_heads, num_kv_heads, head_dim, layout):
@@ -1033,8 +1118,10 @@ def _device_page_slots(ts, bs: int, count):
 
 # ------------------------------------------------------------- catalogue --
 def _shipped_call(dtype: str, fmt: str, d: int, interleaved: bool, source: str,
-                  pos_mode: str, rotary: int, q_fp8: bool, tensor) -> CacheCall:
-    """One shape-only call of the shipped grid (Llama-like heads, thd)."""
+                  pos_mode: str, rotary: int, q_fp8: bool, tensor,
+                  norm: Optional[NormOptions] = None) -> CacheCall:
+    """One shape-only call of the shipped grid (Llama-like heads, thd; with
+    ``norm``, its per-head q/k RMSNorm with weights of q's dtype)."""
     tokens, hq, hk = 16, 32, 8
     store = dtype if fmt == SAME else "uint8"
     caches = [tensor((64, 16, hk, d), store) for _ in range(2)]
@@ -1043,8 +1130,11 @@ def _shipped_call(dtype: str, fmt: str, d: int, interleaved: bool, source: str,
                                                                      "float32")}
     pos = ({"positions": tensor((tokens,), "int64")} if pos_mode == "explicit"
            else {"cu_seqlens": tensor((3,), "int32")})
-    fp8 = fmt if fmt != SAME else "float8_e4m3fn"
     tables = tuple(kw.get(n) for n in ("cos", "sin", "inv_freq", "freqs", "cos_sin_cache"))
+    weighted = norm is not None and norm.weight_mode != "none"
+    weights = [tensor((d,), dtype) if weighted else None for _ in range(2)]
+    norm_kw = {} if norm is None else dict(weight_mode=norm.weight_mode,
+                                           rounding=norm.rounding, eps=norm.eps)
     return check_cache_call(
         tensor((tokens, hq, d), dtype), tensor((tokens, hk, d), dtype),
         tensor((tokens, hk, d), dtype), *caches, tensor((tokens,), "int64"), tables,
@@ -1052,7 +1142,7 @@ def _shipped_call(dtype: str, fmt: str, d: int, interleaved: bool, source: str,
         rotary_dim=rotary, cache_dtype=fmt if fmt != SAME or q_fp8 else None,
         k_scale=1.0 if fmt != SAME else None, v_scale=1.0 if fmt != SAME else None,
         inplace=not q_fp8, out_q=tensor((tokens, hq, d), "uint8") if q_fp8 else None,
-        q_scale=1.0 if q_fp8 else None)
+        q_scale=1.0 if q_fp8 else None, q_weight=weights[0], k_weight=weights[1], **norm_kw)
 
 
 def shipped_specs() -> list:
@@ -1061,8 +1151,12 @@ def shipped_specs() -> list:
     head_dim {64, 128} x NeoX/GPT-J x angle source (float32 cos/sin tables,
     inv_freq) with explicit positions, q in place, full rotary, each for
     decode (one head a thread) and prefill (UNROLL 4); plus cu_seqlens
-    (head_dim 128, tables), half rotary out of place and q written as FP8. The CPU tests compile them all
-    with NVRTC.
+    (head_dim 128, tables), half rotary out of place and q written as FP8;
+    plus the per-head q/k norm (Qwen3's: weights "w", rounding before the
+    weight) for each dtype and cache format at head_dim 64, 128 and 256,
+    and its other weight modes and rounding, GPT-J pairs and half rotary
+    at head_dim 128, and float32 GPT-J at head_dim 256 (two items a lane).
+    The CPU tests compile them all with NVRTC.
 
     Returns
     -------
@@ -1082,6 +1176,18 @@ def shipped_specs() -> list:
     calls += [_shipped_call(dt, fmt, 128, False, "table", "explicit", 64, q8, tensor)
               for dt, fmt, q8 in itertools.product(("float16", "bfloat16"), FP8_FORMATS,
                                                   (False, True))]
+    qwen3 = NormOptions("head", "w", "before_weight")
+    calls += [_shipped_call(dt, fmt, d, False, "table", "explicit", d, False, tensor, qwen3)
+              for dt, fmt, d in itertools.product(dtypes, formats, (64, 128, 256))]
+    calls += [_shipped_call(dt, fmt, 128, il, "table", "explicit", r, False, tensor,
+                            NormOptions("head", mode, rounding))
+              for dt, fmt, (mode, rounding, il, r) in itertools.product(
+                  ("float16", "bfloat16"), (SAME, "float8_e4m3fn"),
+                  (("1+w", "after_weight", False, 128), ("none", "before_weight", False, 128),
+                   ("w", "after_weight", True, 128), ("w", "before_weight", False, 64)))]
+    # float32 GPT-J pairs at head_dim 256: 64 items, two a lane
+    calls += [_shipped_call("float32", fmt, 256, True, "table", "explicit", 256, False, tensor,
+                            qwen3) for fmt in (SAME, "float8_e4m3fn")]
     for cc in calls:
         for unroll in (1, 4):
             specs.add(choose_spec(cc, unroll))

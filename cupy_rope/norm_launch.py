@@ -69,6 +69,9 @@ class NormPolicy:
     #: Forward calls with fewer rows (tokens x the most heads) than this
     #: (decode): one head per pass and a block per unit, for latency.
     few_rows: int = 1 << 14
+    #: Scope "token", forward: fewest heads a thread holds (fewer threads
+    #: per token, so that a block holds several tokens).
+    token_unroll: int = 3
 
 
 #: The policy in force (tools replace it, then clear ``_plans``).
@@ -174,13 +177,13 @@ def choose_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
     w = _widths(call, inputs)
     d, r = call.head_dim, call.rotary_dim
     tail_vec = w.tail_vec if r < d else 1
-    items = r // 2 // w.pairs + (d - r) // tail_vec
-    lanes = min(32, _pow2_ceil(items))
-    k_items = -(-items // lanes)
+    lanes, k_items = lane_layout(d, r, w.pairs, tail_vec)
     per_head = k_items * 2 * w.pairs
     heads = max(s.heads for s in call.slabs)
     if norm.scope == "token":
-        unroll = _token_unroll(lanes, heads, call.slabs[0].name)
+        least = 1 if backward else min(POLICY.token_unroll,
+                                       max(1, POLICY.pass_floats[0] // per_head))
+        unroll = _token_unroll(lanes, heads, call.slabs[0].name, least)
     elif not backward and _few_rows(call):
         unroll = 1
     else:
@@ -200,6 +203,21 @@ def choose_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
         weight_grad and weights is not None, POLICY.min_blocks[backward])
 
 
+def few_rows(tokens: int, heads: int) -> bool:
+    """Is a forward call of ``tokens`` tokens with at most ``heads`` heads
+    per slab decode-sized (launched for latency rather than bandwidth)?"""
+    return tokens * heads < POLICY.few_rows
+
+
+def lane_layout(head_dim: int, rotary_dim: int, pairs: int, tail_vec: int) -> tuple:
+    """(lanes, items per lane) over one head's items: the order in which a
+    head's sum of squares is taken. The KV-cache op's norm path uses the
+    same layout, so that both ops round a row's statistics alike."""
+    items = rotary_dim // 2 // pairs + (head_dim - rotary_dim) // tail_vec
+    lanes = min(32, _pow2_ceil(items))
+    return lanes, -(-items // lanes)
+
+
 def _weights_aligned(weights, runs, head_stride: int) -> bool:
     """Can the weights be read in packets of each of ``runs`` elements (as
     x is), at every head's offset ``head_stride`` apart (scope "token")?"""
@@ -210,14 +228,15 @@ def _weights_aligned(weights, runs, head_stride: int) -> bool:
 
 
 def _few_rows(call: Call) -> bool:
-    return call.tokens * max(s.heads for s in call.slabs) < POLICY.few_rows
+    return few_rows(call.tokens, max(s.heads for s in call.slabs))
 
 
-def _token_unroll(lanes: int, heads: int, name: str) -> int:
-    """Scope "token": the fewest heads per thread that let one block hold a
-    token's heads."""
+def _token_unroll(lanes: int, heads: int, name: str, least: int = 1) -> int:
+    """Scope "token": the fewest heads per thread, at least ``least``, that
+    let one block hold a token's heads."""
+    least = min(least, heads)
     for unroll in range(1, MAX_UNROLL + 1):
-        if lanes * -(-heads // unroll) <= NORM_THREADS:
+        if lanes * -(-heads // unroll) <= NORM_THREADS and unroll >= least:
             return unroll
     most = NORM_THREADS // lanes * MAX_UNROLL
     raise ValueError(f"{name}: {heads} heads per token; norm_scope='token' supports at most "

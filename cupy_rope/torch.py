@@ -967,11 +967,19 @@ apply_qk_norm_rope = qk_norm_rope
 # reads its current value) or a float (a constant of the call); each has a
 # schema slot of its own, since a schema argument has one type. No backward
 # is registered: these are inference ops (a cache write has no gradient).
+# The per-head q/k RMSNorm's weights and options follow (issue 32 item 6),
+# with defaults (_CACHE_NORM_DEFAULTS), so that positional calls of the
+# schema without them keep working.
 _CACHE_EXTRA = (", str cache_layout, str? cache_dtype, Tensor? k_scale, Tensor? v_scale, "
                 "Tensor? q_scale, float? k_scale_value, float? v_scale_value, "
-                "float? q_scale_value, ScalarType? q_dtype")
+                "float? q_scale_value, ScalarType? q_dtype, Tensor? q_weight=None, "
+                "Tensor? k_weight=None, float eps=1e-06, str? weight_mode=None, "
+                "str rounding=\"before_weight\"")
+_CACHE_NORM_DEFAULTS = {"q_weight": None, "k_weight": None, "eps": 1e-6, "weight_mode": None,
+                        "rounding": "before_weight"}
 _CACHE_NAMES = ("cache_layout", "cache_dtype", "k_scale", "v_scale", "q_scale", "k_scale_value",
-                "v_scale_value", "q_scale_value", "q_dtype")
+                "v_scale_value", "q_scale_value", "q_dtype", "q_weight", "k_weight", "eps",
+                "weight_mode", "rounding")
 _HEADS_EXTRA = ", SymInt num_q_heads, SymInt num_kv_heads"
 
 
@@ -981,6 +989,7 @@ def _cache_kwargs(a: dict) -> dict:
     options and whichever form of each scale was given."""
     kw = _kwargs_of(_common(a))
     kw.update(layout=a["layout"], cache_layout=a["cache_layout"])
+    kw.update({n: a.get(n, v) for n, v in _CACHE_NORM_DEFAULTS.items()})
     if a["cache_dtype"] is not None:
         kw["cache_dtype"] = a["cache_dtype"]
     for name in ("k_scale", "v_scale", "q_scale"):
@@ -1103,7 +1112,28 @@ def _cache_op_args(x, angles: dict, cache: dict) -> tuple:
     if q_dtype is not None and not isinstance(q_dtype, torch.dtype):
         raise TypeError(f"q_dtype: expected a torch.dtype or None, got {type(q_dtype).__name__}")
     tensors, values = zip(*(_scale_args(cache[n], n) for n in ("k_scale", "v_scale", "q_scale")))
-    return common + (cache["cache_layout"], cache["cache_dtype"], *tensors, *values, q_dtype)
+    return common + (cache["cache_layout"], cache["cache_dtype"], *tensors, *values, q_dtype,
+                     *_norm_args(cache))
+
+
+def _norm_args(cache: dict) -> tuple:
+    """The norm's schema arguments (q_weight, k_weight, eps, weight_mode,
+    rounding), type-checked for the schema; their values are checked by
+    the library (cupy_rope.kv_cache.check_cache_norm)."""
+    for name in ("q_weight", "k_weight"):
+        if cache[name] is not None and not isinstance(cache[name], Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got "
+                            f"{type(cache[name]).__name__}")
+    eps = cache["eps"]
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer,
+                                                                 np.floating)):
+        raise TypeError(f"eps: expected a float, got {type(eps).__name__}")
+    for name, optional in (("weight_mode", True), ("rounding", False)):
+        value = cache[name]
+        if not isinstance(value, str) and not (optional and value is None):
+            raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
+    return (cache["q_weight"], cache["k_weight"], float(eps), cache["weight_mode"],
+            cache["rounding"])
 
 
 #: The parameters of the cache functions, in their docstrings (one text).
@@ -1139,8 +1169,19 @@ _CACHE_PARAMETERS = """k_cache, v_cache : torch.Tensor
     q_scale : float or torch.Tensor, optional
         The scale of an FP8 ``q_dtype``.
     inplace : bool, default False
-        Rotate q in place (its tail channels untouched) instead of returning
-        a new tensor."""
+        Rotate q in place (its tail channels untouched, unless normalized)
+        instead of returning a new tensor.
+    q_weight, k_weight : torch.Tensor, optional
+        The per-head q/k RMSNorm applied before the rotation (Qwen3, Gemma
+        3), as :func:`cupy_rope.torch.qk_norm_rope` with norm_scope "head":
+        [d] each, one float dtype, on q's device; v is cached as it is.
+    eps : float, default 1e-6
+        Added to the mean square (with the norm).
+    weight_mode : {None, "w", "1+w", "none"}, default None
+        None: no norm without weights, "w" with both; "none": a weightless
+        RMS norm.
+    rounding : {"before_weight", "after_weight"}, default "before_weight"
+        Where the normalized value is rounded to q's dtype (Qwen3: before)."""
 
 
 def _cache_doc(f):
@@ -1158,7 +1199,9 @@ def rope_and_cache(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
                    head_dim: Optional[int] = None, cache_layout: str = "NHD",
                    cache_dtype: Optional[str] = None, k_scale=None, v_scale=None,
                    q_scale=None, q_dtype: Optional[torch.dtype] = None,
-                   inplace: bool = False) -> Tensor:
+                   inplace: bool = False, q_weight: Optional[Tensor] = None,
+                   k_weight: Optional[Tensor] = None, eps: float = 1e-6,
+                   weight_mode: Optional[str] = None, rounding: str = "before_weight") -> Tensor:
     """Rotate q and k and write the rotated k and v into a paged KV cache, in one launch.
 
     The torch op ``cupy_rope::rope_and_cache`` (``rope_and_cache_`` in
@@ -1206,7 +1249,8 @@ def rope_and_cache(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
         positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, layout=layout,
         interleaved=interleaved, rotary_dim=rotary_dim, head_dim=head_dim), dict(
         cache_layout=cache_layout, cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale,
-        q_scale=q_scale, q_dtype=q_dtype))
+        q_scale=q_scale, q_dtype=q_dtype, q_weight=q_weight, k_weight=k_weight, eps=eps,
+        weight_mode=weight_mode, rounding=rounding))
     if _in_place(inplace, q_dtype):
         torch.ops.cupy_rope.rope_and_cache_(q, k, v, k_cache, v_cache, slot_mapping, *args)
         return q
@@ -1222,7 +1266,10 @@ def qkv_rope_and_cache(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappi
                        interleaved: bool = False, rotary_dim: Optional[int] = None,
                        cache_layout: str = "NHD", cache_dtype: Optional[str] = None,
                        k_scale=None, v_scale=None, q_scale=None,
-                       q_dtype: Optional[torch.dtype] = None, inplace: bool = False) -> Tensor:
+                       q_dtype: Optional[torch.dtype] = None, inplace: bool = False,
+                       q_weight: Optional[Tensor] = None, k_weight: Optional[Tensor] = None,
+                       eps: float = 1e-6, weight_mode: Optional[str] = None,
+                       rounding: str = "before_weight") -> Tensor:
     """:func:`rope_and_cache` from a packed projection: split, rotate and store in one launch.
 
     The torch op ``cupy_rope::qkv_rope_and_cache`` (``qkv_rope_and_cache_``
@@ -1273,7 +1320,8 @@ def qkv_rope_and_cache(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappi
         positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, layout=layout,
         interleaved=interleaved, rotary_dim=rotary_dim, head_dim=head_dim), dict(
         cache_layout=cache_layout, cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale,
-        q_scale=q_scale, q_dtype=q_dtype))
+        q_scale=q_scale, q_dtype=q_dtype, q_weight=q_weight, k_weight=k_weight, eps=eps,
+        weight_mode=weight_mode, rounding=rounding))
     heads = args[:_NT + _NSTATIC] + (hq, hk) + args[_NT + _NSTATIC:]
     if not _in_place(inplace, q_dtype):
         return torch.ops.cupy_rope.qkv_rope_and_cache(qkv, k_cache, v_cache, slot_mapping,

@@ -15,8 +15,15 @@ the batch padded to a fixed size by padding tokens (slot -1: nothing
 written), replayed with new inputs copied in, must leave the cache exactly
 as the eager step does. Exits 1 on a mismatch. Needs a CUDA GPU and
 ``transformers``.
+
+``--model qwen3`` runs the same on a randomly initialised Qwen3ForCausalLM
+(its q_norm / k_norm weights drawn at random too), whose attention
+normalizes each q and k head before the rotation: there the per-layer call
+also takes the layer's q_norm and k_norm weights (rounding "before_weight",
+eps from the config), so that one launch normalizes, rotates and caches.
 """
 
+import argparse
 import copy
 import sys
 
@@ -48,8 +55,7 @@ class PagedKV:
     """
 
     def __init__(self, config, dtype, layout, block_size, num_blocks=64):
-        hk = config.num_key_value_heads
-        d = config.hidden_size // config.num_attention_heads
+        hk, d = config.num_key_value_heads, head_dim(config)
         page = (block_size, hk, d) if layout == "NHD" else (hk, block_size, d)
         self.k = [torch.zeros(num_blocks, *page, device=DEV, dtype=dtype)
                   for _ in range(config.num_hidden_layers)]
@@ -110,6 +116,20 @@ class DecodeInputs:
             dst.copy_(src)
 
 
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def norm_kwargs(layer) -> dict:
+    """The per-head q/k RMSNorm arguments of a Qwen3 layer (its q_norm and
+    k_norm: x_hat rounded to the dtype, then times the weight); none for Llama."""
+    attn = layer.self_attn
+    if not hasattr(attn, "q_norm"):
+        return {}
+    return dict(q_weight=attn.q_norm.weight, k_weight=attn.k_norm.weight,
+                eps=attn.q_norm.variance_epsilon, rounding="before_weight")
+
+
 def mlp_and_residual(layer, h, attn_out):
     h = h + layer.self_attn.o_proj(attn_out)
     return h + layer.mlp(layer.post_attention_layernorm(h))
@@ -118,8 +138,7 @@ def mlp_and_residual(layer, h, attn_out):
 def prefill(model, kv: PagedKV, prompts, inv_freq) -> list:
     """Logits [len, vocab] of every prompt, writing the prompts' k and v into the cache."""
     cfg = model.config
-    hq, hk = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = cfg.hidden_size // hq
+    hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
     seqs = [kv.add_sequence() for _ in prompts]
     for s, p in zip(seqs, prompts):
         kv.grow(s, len(p))
@@ -133,7 +152,8 @@ def prefill(model, kv: PagedKV, prompts, inv_freq) -> list:
         q = attn.q_proj(x).view(-1, hq, d)
         k, v = attn.k_proj(x).view(-1, hk, d), attn.v_proj(x).view(-1, hk, d)
         q = crt.rope_and_cache(q, k, v, kv.k[i], kv.v[i], slots, inv_freq=inv_freq,
-                               positions=positions, layout="thd", cache_layout=kv.layout)
+                               positions=positions, layout="thd", cache_layout=kv.layout,
+                               **norm_kwargs(layer))
         outs = []
         for j, s in enumerate(seqs):  # attention of each prompt on its own cached pages
             pages = torch.tensor(kv.pages[s], device=DEV)
@@ -152,8 +172,7 @@ def decode_step(model, kv: PagedKV, inp: DecodeInputs, qkv_weights, inv_freq) ->
     """Logits [batch, vocab] of one new token per batch row; no host sync, static
     shapes (CUDA-graph capturable). Rows with slot -1 are padding: they write nothing."""
     cfg = model.config
-    hq, hk = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = cfg.hidden_size // hq
+    hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
     h = model.model.embed_tokens(inp.tokens)
     width = inp.block_table.shape[1] * kv.block_size
     visible = torch.arange(width, device=DEV) < inp.seq_lens[:, None]  # [batch, width]
@@ -161,7 +180,8 @@ def decode_step(model, kv: PagedKV, inp: DecodeInputs, qkv_weights, inv_freq) ->
         qkv = torch.nn.functional.linear(layer.input_layernorm(h), qkv_weights[i])
         q = crt.qkv_rope_and_cache(qkv, kv.k[i], kv.v[i], inp.slots, inv_freq=inv_freq,
                                    positions=inp.positions, num_q_heads=hq, num_kv_heads=hk,
-                                   head_dim=d, layout="thd", cache_layout=kv.layout)
+                                   head_dim=d, layout="thd", cache_layout=kv.layout,
+                                   **norm_kwargs(layer))
         kc, vc = (kv.gather(c[i], inp.block_table).transpose(1, 2) for c in (kv.k, kv.v))
         o = torch.nn.functional.scaled_dot_product_attention(
             q.reshape(-1, hq, 1, d), kc, vc, attn_mask=visible[:, None, None, :],
@@ -298,12 +318,25 @@ def run(stock, dtype, layout, block_size) -> bool:
     return all(ok for *_, ok in checks)
 
 
-def main() -> int:
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=1024)
+def stock_model(name: str):
+    """A small randomly initialised Llama or Qwen3 (from a config: no download)."""
+    sizes = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     torch.manual_seed(0)
-    stock = transformers.LlamaForCausalLM(config).to(DEV).eval()
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).to(DEV).eval()
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=64, **sizes))
+    with torch.no_grad():  # RMSNorm weights start at 1: draw them, so that they matter
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(1 + 0.3 * torch.randn_like(norm.weight))
+    return model.to(DEV).eval()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("--model", choices=("llama", "qwen3"), default="llama")
+    stock = stock_model(parser.parse_args().model)
     with torch.no_grad():
         ok = [run(stock, torch.float32, "NHD", 16), run(stock, torch.bfloat16, "HND", 8)]
     print("all checks passed" if all(ok) else "MISMATCH: see above")

@@ -31,7 +31,16 @@
 //                with step blockDim.y, UNROLL heads' loads per pass.
 //   threadIdx.z: token lane; blockIdx.x: token block; blockIdx.y: head group
 //                (few tokens: the heads split over several blocks).
-#include "angles.cuh"
+//
+// With the per-head q/k RMSNorm (NORM, cupy_rope/kv_cache.py), q and k heads
+// are first normalized as norm_rope_kernel normalizes them (kernels/
+// norm_rope.cu, norm_scope "head"), then rotated and stored; v is copied
+// as it is. A head row is then held by threadIdx.x's LANES lanes, K items a
+// lane in the ItemLayout of kernels/norm_items.cuh, so that the row's sum of
+// squares is taken in the norm kernel's order: q and the cached k equal the
+// norm op's results bit for bit where both read with the same vector widths.
+// q's tail channels are written normalized (in place too).
+#include "norm_items.cuh"
 
 namespace rope {
 
@@ -57,6 +66,7 @@ struct CacheParams : Params {
   const void* slot_mapping;
   void* cache_data[2];       // k_cache, v_cache
   const float* scale_ptr[3];  // q out, k cache, v cache: a device scale, or null
+  const void* weight[2];      // NORM: q's and k's norm weights [HEAD_DIM] (WT), or null
   CacheView cache[2];
   i64 n_slots;      // num_blocks * block_size
   i64 block_size;
@@ -67,7 +77,7 @@ struct CacheParams : Params {
   i64 heads_kv;
   i64 heads_per_block;  // heads of one head group (blockIdx.y)
   float scale[3];       // used where scale_ptr is null
-  float pad_;
+  float eps;            // NORM: added to the mean square
 };
 
 // FP8 without the sm_89 conversion instructions: round to nearest even,
@@ -346,9 +356,166 @@ __device__ __forceinline__ void copy_tails(const Rows& rows, i64 ch, int h_first
   }
 }
 
+// NORM: the lanes of this thread's head row, which lie in one warp (blockDim.x
+// == LANES, a power of two <= 32): the row's shuffles name only them, so
+// that rows of one warp may walk different heads and tokens.
+template <int LANES>
+__device__ __forceinline__ unsigned row_mask() {
+  if constexpr (LANES == 32) {
+    return 0xffffffffu;
+  } else {
+    const int lane = block_thread_index() & 31;
+    return ((1u << LANES) - 1u) << (lane & ~(LANES - 1));
+  }
+}
+
+// Item i's results (floats) to head h's destination, channel run by run.
+template <class L, bool INTERLEAVED, int PAIRS, int TAIL_VEC, typename Rows>
+__device__ __forceinline__ void put_item(const Rows& rows, int h, int s, int i,
+                                         const float (&y)[L::W]) {
+  if (i < L::ROT) {
+    if constexpr (INTERLEAVED) {
+      rows.put_floats(h, s, L::channel(i, 0), y);
+    } else {
+      float a[PAIRS], b[PAIRS];
+#pragma unroll
+      for (int e = 0; e < PAIRS; ++e) a[e] = y[e], b[e] = y[PAIRS + e];
+      rows.put_floats(h, s, L::channel(i, 0), a);
+      rows.put_floats(h, s, L::channel(i, PAIRS), b);
+    }
+  } else if (L::TAIL > 0 && i < L::ITEMS) {
+    float t[TAIL_VEC];
+#pragma unroll
+    for (int e = 0; e < TAIL_VEC; ++e) t[e] = y[e];
+    rows.put_floats(h, s, L::channel(i, 0), t);
+  }
+}
+
+// Item i of head h copied as it was loaded (v), bit for bit where stored in T.
+template <typename T, class L, bool INTERLEAVED, int PAIRS, int TAIL_VEC, typename Rows>
+__device__ __forceinline__ void put_item_raw(const Rows& rows, int h, int s, int i,
+                                             const Packet<T, L::W>& raw) {
+  if (i < L::ROT) {
+    if constexpr (INTERLEAVED) {
+      rows.put_packet(h, s, L::channel(i, 0), raw);
+    } else {
+      Packet<T, PAIRS> a, b;
+      memcpy(a.v, raw.v, sizeof(a.v));
+      memcpy(b.v, raw.v + PAIRS, sizeof(b.v));
+      rows.put_packet(h, s, L::channel(i, 0), a);
+      rows.put_packet(h, s, L::channel(i, PAIRS), b);
+    }
+  } else if (L::TAIL > 0 && i < L::ITEMS) {
+    Packet<T, TAIL_VEC> t;
+    memcpy(t.v, raw.v, sizeof(t.v));
+    rows.put_packet(h, s, L::channel(i, 0), t);
+  }
+}
+
+// NORM: one q or k head row (this lane's K items, raw): the row's sum of
+// squares (each lane's items in order with fmaf, then the lanes'
+// butterfly), then x_hat = x * rstd rounded and weighted as
+// norm_rope_kernel's forward does, rotated and stored. Every lane of the row
+// calls it (lanes past the items hold zeros), since the sum is a shuffle.
+template <typename T, typename WT, class L, bool INTERLEAVED, int PAIRS, int TAIL_VEC,
+          int WEIGHT, bool ROUND_BEFORE, int LANES, int K, typename Rows>
+__device__ __forceinline__ void norm_row(const Rows& rows, int h, int s,
+                                         const Packet<T, L::W> (&raw)[K],
+                                         const Packet<WT, L::W> (&w)[K], float eps,
+                                         const float (&c)[K][PAIRS], const float (&sn)[K][PAIRS]) {
+  constexpr int W = L::W;
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float v[W];
+    to_floats(raw[k], v);
+#pragma unroll
+    for (int e = 0; e < W; ++e) sum = fmaf(v[e], v[e], sum);
+  }
+  sum = lane_sum<LANES>(sum, row_mask<LANES>());
+  constexpr float n_row = static_cast<float>(2 * L::HALF + L::TAIL * TAIL_VEC);  // head_dim
+  const float rstd = 1.f / sqrtf(sum / n_row + eps);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int i = threadIdx.x + k * LANES;
+    float v[W], wv[W], y[W];
+    to_floats(raw[k], v);
+    weight_values<WEIGHT>(w[k], false, wv);
+#pragma unroll
+    for (int e = 0; e < W; ++e) {
+      float x_hat = v[e] * rstd;
+      if constexpr (ROUND_BEFORE) x_hat = to_float(from_float<T>(x_hat));
+      y[e] = to_float(from_float<T>(x_hat * wv[e]));
+    }
+    rotate_item<L, INTERLEAVED, PAIRS>(i, y, c[k], sn[k]);
+    put_item<L, INTERLEAVED, PAIRS, TAIL_VEC>(rows, h, s, i, y);
+  }
+}
+
+// NORM: every head row of the thread's heads [h_first, h_end) in steps of
+// `lanes`, UNROLL rows' loads per pass: q and k normalized, rotated and
+// stored, v copied; a padding token's k and v rows are not even read.
+// `find_angles(c, sn)` gives the angles of the lane's rotating items.
+template <typename T, typename WT, class L, bool INTERLEAVED, int PAIRS, int TAIL_VEC,
+          bool STRIDED, int UNROLL, int WEIGHT, bool ROUND_BEFORE, int LANES, int K,
+          typename Rows, typename FindAngles>
+__device__ __forceinline__ void norm_rows(const CacheParams& p, const Rows& rows, int h_first,
+                                          int h_end, int lanes, FindAngles find_angles) {
+  constexpr int W = L::W;
+  // w' of q's and k's items of this lane: the same channels in every row.
+  Packet<WT, W> wr[2][K];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int i = WEIGHT != WEIGHT_NONE ? static_cast<int>(threadIdx.x) + k * LANES : L::ITEMS;
+      wr[j][k] = load_item<WT, L, INTERLEAVED, PAIRS, TAIL_VEC, true>(
+          static_cast<const WT*>(p.weight[j]), 1, i);
+    }
+  }
+  float c[K][PAIRS], sn[K][PAIRS];
+  bool have_angles = false;
+  for (int h0 = h_first; h0 < h_end; h0 += lanes * UNROLL) {
+    Packet<T, W> raw[UNROLL][K];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int h = h0 + u * lanes;
+      const int s = h < h_end ? rows.slab_of(h) : 2;
+      const bool read = h < h_end && !rows.skipped(s);
+      i64 xd = 1;
+      const T* x = read ? rows.source(h, s, 0, xd) : nullptr;
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        raw[u][k] = load_item<T, L, INTERLEAVED, PAIRS, TAIL_VEC, STRIDED>(
+            x, xd, read ? static_cast<int>(threadIdx.x) + k * LANES : L::ITEMS);
+    }
+    if (!have_angles && h0 < rows.n_rot) {  // v needs none (and follows q and k)
+      find_angles(c, sn);
+      have_angles = true;
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int h = h0 + u * lanes;
+      if (h >= h_end) continue;
+      const int s = rows.slab_of(h);
+      if (rows.skipped(s)) continue;
+      if (s == 2) {
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+          put_item_raw<T, L, INTERLEAVED, PAIRS, TAIL_VEC>(
+              rows, h, s, static_cast<int>(threadIdx.x) + k * LANES, raw[u][k]);
+        continue;
+      }
+      norm_row<T, WT, L, INTERLEAVED, PAIRS, TAIL_VEC, WEIGHT, ROUND_BEFORE, LANES, K>(
+          rows, h, s, raw[u], wr[s], p.eps, c, sn);
+    }
+  }
+}
+
 template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERLEAVED,
           int SOURCE, int PAIRS, int TAIL_VEC, bool STRIDED, bool TABLE_STRIDED, int UNROLL,
-          int POS_MODE, int Q_FORMAT, int CACHE_FORMAT, bool COPY_Q_TAIL>
+          int POS_MODE, int Q_FORMAT, int CACHE_FORMAT, bool COPY_Q_TAIL, bool NORM, typename WT,
+          int WEIGHT, bool ROUND_BEFORE, int LANES, int K>
 __global__ void __launch_bounds__(CACHE_THREADS) rope_cache_kernel(const CacheParams p) {
   static_assert(HEAD_DIM % 2 == 0 && ROTARY_DIM % 2 == 0 && ROTARY_DIM <= HEAD_DIM, "dims");
   constexpr int HALF = ROTARY_DIM / 2;
@@ -387,6 +554,28 @@ __global__ void __launch_bounds__(CACHE_THREADS) rope_cache_kernel(const CachePa
   const int h_end = min(rows.n_rot + static_cast<int>(p.heads_kv),
                         h_begin + static_cast<int>(p.heads_per_block));
   const int h_first = h_begin + static_cast<int>(threadIdx.y);
+  if constexpr (NORM) {
+    using L = ItemLayout<HEAD_DIM, ROTARY_DIM, INTERLEAVED, PAIRS, TAIL_VEC>;
+    static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "LANES: 2^k <= 32");
+    static_assert(LANES * K >= L::ITEMS, "the lanes hold every item");
+    auto find_angles = [&](float (&c)[K][PAIRS], float (&sn)[K][PAIRS]) {
+      i64 pos = 0, seq = 0;
+      if constexpr (POS_MODE == VARLEN) {
+        signal_wait(seq_ready);
+        seq = seq_of_lane[token_lane];
+      }
+      const bool valid = token_position<POS_MODE>(p, token, outer, inner, seq, pos);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int i = threadIdx.x + k * LANES;
+        if (i < L::ROT) angles<SOURCE, AngleT, PAIRS, TABLE_STRIDED>(p, pos, valid, i * PAIRS,
+                                                                    c[k], sn[k]);
+      }
+    };
+    norm_rows<T, WT, L, INTERLEAVED, PAIRS, TAIL_VEC, STRIDED, UNROLL, WEIGHT, ROUND_BEFORE,
+              LANES, K>(p, rows, h_first, h_end, blockDim.y, find_angles);
+    return;
+  }
   const int item = threadIdx.x;
   if (item < ROT_ITEMS) {
     auto find_angles = [&](int f0, float (&c)[PAIRS], float (&sn)[PAIRS]) {

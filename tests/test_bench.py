@@ -428,6 +428,35 @@ def test_format_table_and_json(tmp_path):
     assert {w["name"] for w in back["workloads"]} >= {"thd-n1", "partial-0.25"}
 
 
+def test_main_past_the_device_check_writes_json_and_judges(tmp_path, monkeypatch, capsys):
+    """main() as tools/gpu_suite.sh calls it, with the run replaced by a fixed
+    result: the JSON checkpoint, the printed sections, --strict's status."""
+    from cupy_rope import interop
+
+    res = _all_pass_result()
+    res["acceptance"] = bench.acceptance(res)
+    seen = {}
+
+    def fake_run(workloads, **kw):
+        seen.update(kw, workloads=[w.name for w in workloads])
+        kw["checkpoint"](res)
+        return res
+
+    monkeypatch.setattr(interop, "require_cuda", lambda what: None)
+    monkeypatch.setattr(bench, "run", fake_run)
+    path = tmp_path / "bench.json"
+    argv = ["--json", str(path), "--filter", "^thd", "--peers", "none", "--reps", "7",
+            "--no-host", "--strict"]
+    assert bench.main(argv) == 0
+    assert seen["workloads"] == ["thd-n1", "thd-n128", "thd-n2401"]
+    assert (seen["peers"], seen["reps"], seen["n_sets"], seen["host"]) == ("none", 7, 3, False)
+    assert json.loads(path.read_text())["device"] == "Fake GPU"
+    out = capsys.readouterr().out
+    assert "host cost" in out and "PASS [1a]" in out and "d2d copy" in out
+    res["acceptance"][0]["status"] = "FAIL"
+    assert bench.main(argv) == 1
+
+
 def test_plot(tmp_path):
     res = _all_pass_result()
     path = tmp_path / "r.png"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import cache_bench as cb
+from benchmarks import harness, record
 from benchmarks.record import COLUMNS
 
 TINY = cb.CacheWorkload("tiny-prefill", "", tokens=12, n_seqs=3, decode=False, q_heads=4,
@@ -102,19 +103,62 @@ def test_rows_ratios_acceptance_and_output():
     assert cb.acceptance(dec)[0][0] == "FAIL"
     table = cb.format_table(rows + dec)
     assert table.count("\n") == 1 + len(rows + dec) and "| 0.964 |" in table
-    csv = cb.csv_rows(rows + dec, date="2026-11-27", run="r", commit="abc", gpu="H100")
+    csv = harness.with_run_fields(cb.csv_rows(rows + dec), date="2026-11-27", run="r",
+                                  commit="abc", gpu="H100")
     assert all(list(r) == list(COLUMNS) for r in csv)
     graph_rows = [r for r in csv if r["direction"] == "host"]
     assert [r["implementation"] for r in graph_rows] == [
         f"{cb.FUSED} CUDA graph replay", f"{cb.CHAIN} CUDA graph replay"]
+    assert [r["copy_microseconds"] for r in graph_rows] == ["", ""]
     assert csv[0]["workload"] == "cache-prefill-t16384-bfloat16"
-    assert csv[0]["fraction_of_copy"] == round(135 / 140, 4)
+    assert (csv[0]["microseconds"], csv[0]["fraction_of_copy"]) == ("140.000", "0.9643")
+
+
+def test_json_rows_are_recordable(tmp_path):
+    """--json's file, as benchmarks.record reads a run's NAME.rows.json."""
+    rows = cb.finish_rows([_row(cb.FUSED, 140.0), _row(cb.CHAIN, 228.0)])
+    harness.write_rows(tmp_path / "cache.rows.json", cb.csv_rows(rows), "H100", run="x",
+                       details=rows)
+    info = record.RunInfo(run="r", date="2030-01-01", commit="abc", gpu="")
+    got = record.extra_rows(tmp_path, info)
+    assert [(r["implementation"], r["microseconds"], r["gpu"], r["run"]) for r in got] == [
+        (cb.FUSED, "140.000", "H100", "r"), (cb.CHAIN, "228.000", "H100", "r")]
 
 
 def test_cli_list(capsys):
     assert cb.main(["--list"]) == 0
     out = capsys.readouterr().out
     assert all(w.name in out for w in cb.WORKLOADS)
+
+
+def test_main_past_the_device_check_prints_and_writes_rows(tmp_path, monkeypatch, capsys):
+    """main() as tools/gpu_suite.sh calls it, with each workload's timing
+    replaced by fixed rows: the table, the acceptance lines and --json."""
+    torch = pytest.importorskip("torch")
+    from cupy_rope import interop
+
+    seen = []
+
+    def fake_run_workload(w, cache_dtype, *, reps, n_sets, graph):
+        seen.append((w.name, cache_dtype, reps, n_sets, graph))
+        return cb.finish_rows([_row(cb.FUSED, 4.0, workload=w.name, graph=2.5),
+                               _row(cb.CHAIN, 13.0, workload=w.name, graph=8.0)])
+
+    monkeypatch.setattr(interop, "require_cuda", lambda what: None)
+    monkeypatch.setattr(cb, "run_workload", fake_run_workload)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    path = tmp_path / "cache.rows.json"
+    argv = ["--filter", "decode-t1$", "--cache", "bfloat16", "--reps", "5", "--json", str(path),
+            "--run", "mine"]
+    assert cb.main(argv) == 0
+    assert seen == [("cache-decode-t1", "bfloat16", 5, 3, True)]
+    out = capsys.readouterr().out
+    assert "| cache-decode-t1 | bfloat16 | cupy-rope fused | 4.00 |" in out
+    assert "PASS  cache-decode-t1 bfloat16" in out
+    data = json.loads(path.read_text())
+    assert (data["device"], data["columns"]) == ("Fake GPU", list(COLUMNS))
+    assert {r["run"] for r in data["rows"]} == {"mine"} and len(data["rows"]) == 4
+    assert [a[0] for a in data["acceptance"]] == ["PASS"] and len(data["details"]) == 2
 
 
 @pytest.mark.gpu
@@ -130,5 +174,4 @@ def test_tiny_workload_on_gpu(w, tmp_path):
         if w.decode and r["implementation"] != cb.COMPILED:
             assert r["graph_microseconds"] > 0, r
     assert [r["implementation"] for r in rows] == [cb.FUSED, cb.CHAIN, cb.COMPILED] * 2
-    csv = cb.csv_rows(rows, date="d", run="r", commit="c", gpu="g")
-    json.dumps(csv)
+    json.dumps(cb.csv_rows(rows))

@@ -10,11 +10,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_example(script: str) -> subprocess.CompletedProcess:
+def run_example(script: str, *args: str) -> subprocess.CompletedProcess:
     # The source checkout first on the path, so that the examples run without
     # an install (as the tests themselves do).
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, str(ROOT / "examples" / script)], cwd=ROOT,
+    return subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True,
                           timeout=600)
 
@@ -27,14 +27,15 @@ def test_example_runs(script):
     assert "partial rotary: rotary_dim 32 of 128" in proc.stdout
 
 
-def test_paged_decode_example():
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_paged_decode_example(model):
     """examples/paged_decode.py: on a GPU its logits, tokens and CUDA-graph
-    cache match the stock model (exit status 0 only then); without one it
-    says that it needs a GPU."""
+    cache match the stock model (exit status 0 only then), Qwen3's with its
+    q/k norm inside the cache op; without one it says that it needs a GPU."""
     pytest.importorskip("transformers")
     from helpers import gpu_available
 
-    proc = run_example("paged_decode.py")
+    proc = run_example("paged_decode.py", "--model", model)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     if not gpu_available():
         assert "needs a CUDA GPU" in proc.stdout

@@ -25,3 +25,17 @@ def test_csv_rows_are_recordable(tmp_path):
 def test_model_rows_have_no_copy():
     (row,) = jax_bench.csv_rows("jax toy model", "", "forward", None, {"x": 10.0})
     assert row["copy_microseconds"] == row["fraction_of_copy"] == ""
+
+
+def test_main_past_the_device_check_writes_the_header_and_json(tmp_path, monkeypatch, capsys):
+    """main()'s plumbing with no row selected (nothing timed): the table
+    header and an empty --json file in the harness's format."""
+    from cupy_rope import interop
+
+    monkeypatch.setattr(interop, "require_cuda", lambda what: None)
+    path = tmp_path / "jax.rows.json"
+    assert jax_bench.main(["--rows", "no such row", "--no-model", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| row | direction | copy | formula | cupy-rope |" in out
+    data = json.loads(path.read_text())
+    assert data["rows"] == [] and data["columns"] == list(record.COLUMNS)

@@ -24,6 +24,12 @@ def test_every_shipped_specialization_compiles_for_sm90():
     assert {s.q_format for s in specs} == {"same", *kv_cache.FP8_FORMATS}
     assert {s.unroll for s in specs} == {1, 4} and {s.copy_q_tail for s in specs} == {False, True}
     assert {s.pos_mode for s in specs} == {"explicit", "varlen"}
+    # the per-head q/k norm: every weight mode and rounding, one and several items a lane
+    norm = [s for s in specs if s.norm]
+    assert {s.weight_mode for s in norm} == {"w", "1+w", "none"}
+    assert {s.round_before for s in norm} == {False, True}
+    assert {s.k_items for s in norm} == {1, 2} and {s.cache_format for s in norm} == {
+        "same", *kv_cache.FP8_FORMATS}
     chunks = [(specs[i:i + CHUNK], "sm_90") for i in range(0, len(specs), CHUNK)]
     lowered = {}
     with ProcessPoolExecutor(min(len(chunks), os.cpu_count() or 1)) as pool:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from benchmarks import norm_bench
+from benchmarks import norm_bench, record
 
 
 def test_norm_bench_cli_help_and_list(capsys):
@@ -43,3 +45,33 @@ def test_norm_bench_implementations_agree_on_cpu(monkeypatch, scope):
             errs = norm_bench.check(w, fn, s, ref, torch)
             assert set(errs) == ({"fwd"} if w.decode else {"fwd", "bwd"}), errs
             assert all(e < norm_bench.CHECK_TOLERANCE for e in errs.values()), (impl.name, errs)
+
+
+def test_main_past_the_device_check_prints_and_writes_rows(tmp_path, monkeypatch, capsys):
+    """main() as tools/gpu_suite.sh calls it, with the run replaced by fixed
+    rows: the table, and --json's rows as benchmarks.record adds them (ok rows
+    only)."""
+    from cupy_rope import interop
+
+    w = norm_bench.WORKLOADS[-1]
+    rows = [norm_bench._row(w, "fwd", norm_bench.OURS, "ok", us=4.0, copy_us=2.0, err=1e-3),
+            norm_bench._row(w, "fwd", "liger+rope_qk", "n/a", "not installed")]
+    seen = []
+
+    def fake_run(workloads, peers, reps, n_sets, check_values):
+        seen.append(([x.name for x in workloads], peers, reps, n_sets, check_values))
+        return {"device": "Fake GPU", "torch": "2.x", "rows": rows}
+
+    monkeypatch.setattr(interop, "require_cuda", lambda what: None)
+    monkeypatch.setattr(norm_bench, "run", fake_run)
+    path = tmp_path / "norm.rows.json"
+    assert norm_bench.main(["--workloads", w.name, "--peers", "none", "--reps", "5",
+                            "--json", str(path)]) == 0
+    assert seen == [([w.name], "none", 5, 3, True)]
+    out = capsys.readouterr().out
+    assert "| decode-qkv-t64 | fwd | cupy-rope | 4.0 | 0.500 |" in out
+    assert json.loads(path.read_text())["device"] == "Fake GPU"
+    got = record.extra_rows(tmp_path, record.RunInfo(run="r", date="d", commit="c", gpu=""))
+    assert [(r["workload"], r["implementation"], r["microseconds"], r["fraction_of_copy"],
+             r["gpu"]) for r in got] == [(f"qk-norm {w.name}", norm_bench.OURS, "4.000",
+                                          "0.5000", "Fake GPU")]

@@ -551,7 +551,49 @@ def rope_and_cache():
     compare(host(d_q), h_q, "bfloat16", "cache prefill q")
     for got, want in zip(d_caches, h_caches):
         assert np.array_equal(host(got), want), "cache prefill: FP8 bits differ"
-    return n + 1
+    return n + 1 + rope_and_cache_norm()
+
+
+def rope_and_cache_norm() -> int:
+    """The cache op with the per-head q/k RMSNorm: an FP8 cache with padding
+    tokens and a device slot past the cache (decode), and partial rotary
+    with 1 + w on a bf16 HND cache (the prefill path)."""
+    from cupy_rope import kv_cache, launch
+
+    hq, hk, d, bs, blocks = 8, 2, 128, 16, 6
+    cases = [(9, 128, "NHD", "float8_e4m3fn", "w", "before_weight",
+              np.array([3, 17, -1, 40, 95, 2, -1, 60, 4000], np.int64)),
+             (40, 64, "HND", "bfloat16", "1+w", "after_weight",
+              rng.permutation(blocks * bs)[:40].astype(np.int64))]
+    for t, r, layout, fmt, mode, rounding, slots in cases:
+        cos, sin = tables(r, 200)
+        q, k, v = (normal((t, h, d), "bfloat16") for h in (hq, hk, hk))
+        wq, wk = (normal((d,), "bfloat16") for _ in range(2))
+        fp8 = fmt != "bfloat16"
+        kw = dict(cos=cos, sin=sin, positions=rng.integers(0, 200, t).astype(np.int64),
+                  cache_layout=layout, rotary_dim=r, weight_mode=mode, rounding=rounding)
+        if fp8:
+            kw.update(cache_dtype=fmt, k_scale=0.5, v_scale=0.25)
+        shape = (blocks, bs, hk, d) if layout == "NHD" else (blocks, hk, bs, d)
+        fill = np.full(shape, 0x7F if fp8 else np.nan, np.uint8 if fp8 else BF16)
+        d_caches = [cupy.asarray(fill), cupy.asarray(fill)]
+        with launch.override_policy(blocks_per_sm=0 if t > 9 else launch.POLICY.blocks_per_sm):
+            d_q = kv_cache.apply_rope_and_cache(
+                *[cupy.asarray(a) for a in (q, k, v)], *d_caches, cupy.asarray(slots),
+                q_weight=dev(wq), k_weight=dev(wk), **{a: dev(b) for a, b in kw.items()})
+        h_caches = [fill.copy(), fill.copy()]
+        h_q = kv_cache.apply_rope_and_cache(q, k, v, *h_caches,
+                                            np.where(slots < blocks * bs, slots, -1),
+                                            q_weight=wq, k_weight=wk, **kw)
+        compare(host(d_q), h_q, "bfloat16", f"cache norm q {layout} {fmt}")
+        for got, want in zip(d_caches, h_caches):
+            got = host(got)
+            if fp8:  # fp32 and float64 statistics may round a value to the next FP8 code
+                steps = np.abs(got.astype(np.int64) - want.astype(np.int64))
+                assert steps.max() <= 1, f"cache norm {layout} {fmt}: FP8 codes differ"
+            else:
+                compare(got, want, "bfloat16", f"cache norm {layout} {fmt}", nan_ok=True)
+    return len(cases)
 
 
 def main(names=()) -> int:
