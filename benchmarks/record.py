@@ -8,6 +8,9 @@ does every timing of its decode host section (direction ``host``), so that
 the history of any figure is a filter on one file. The other benchmarks
 (JAX, the fused ops) write ``NAME.rows.json``: rows in the CSV's columns,
 which are added as they are, with the run's date, name, commit and GPU.
+
+A run of only those other benchmarks (no bench.json) is a partial run: its
+rows are appended, and ``results/latest/`` keeps the latest full run.
 """
 
 from __future__ import annotations
@@ -249,12 +252,13 @@ def _head_commit() -> str:
 
 
 def record(run_dir, results=None, commit=None, date=None, run=None) -> int:
-    """Append a run's rows to ``results/runs.csv`` and make it ``results/latest/``.
+    """Append a run's rows to ``results/runs.csv`` and make it ``results/latest/``
+    (a full run: one with bench.json).
 
     Parameters
     ----------
     run_dir : str or Path
-        The run's folder; it must hold bench.json.
+        The run's folder; it must hold bench.json or a ``NAME.rows.json``.
     results : str or Path, optional
         The folder of ``runs.csv`` and ``latest/``; default: the repository's
         ``results/``.
@@ -273,7 +277,7 @@ def record(run_dir, results=None, commit=None, date=None, run=None) -> int:
     Raises
     ------
     FileNotFoundError
-        If ``run_dir`` has no bench.json.
+        If ``run_dir`` has neither bench.json nor a ``NAME.rows.json``.
     ValueError
         If ``run`` is already in the CSV, or ``date`` is not ``YYYY-MM-DD``.
 
@@ -283,8 +287,9 @@ def record(run_dir, results=None, commit=None, date=None, run=None) -> int:
     """
     run_dir, results = Path(run_dir), Path(results or RESULTS)
     bench = run_dir / "bench.json"
-    if not bench.is_file():
-        raise FileNotFoundError(f"run_dir: no bench.json in {run_dir}")
+    full = bench.is_file()
+    if not full and not list(run_dir.glob("*.rows.json")):
+        raise FileNotFoundError(f"run_dir: no bench.json or NAME.rows.json in {run_dir}")
     run = run or run_dir.resolve().name
     date = date or _default_date(run)
     if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date):
@@ -292,12 +297,13 @@ def record(run_dir, results=None, commit=None, date=None, run=None) -> int:
     csv_path = results / "runs.csv"
     if run in recorded_runs(csv_path):
         raise ValueError(f"run: {run!r} is already in {csv_path}; pass --run NAME")
-    result = json.loads(bench.read_text())
+    result = json.loads(bench.read_text()) if full else {}
     info = RunInfo(run=run, date=date, commit=commit or _head_commit(),
                    gpu=result.get("device", ""))
-    rows = rows_of(result, info) + extra_rows(run_dir, info)
+    rows = (rows_of(result, info) if full else []) + extra_rows(run_dir, info)
     append_rows(csv_path, rows)
-    replace_latest(run_dir, results / "latest")
+    if full:
+        replace_latest(run_dir, results / "latest")
     return len(rows)
 
 
@@ -315,7 +321,8 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"record: {exc}", file=sys.stderr)
         return 2
-    print(f"record: {n} rows appended to {RESULTS / 'runs.csv'}; {RESULTS / 'latest'} replaced")
+    kept = "replaced" if (Path(args.run_dir) / "bench.json").is_file() else "kept (a partial run)"
+    print(f"record: {n} rows appended to {RESULTS / 'runs.csv'}; {RESULTS / 'latest'} {kept}")
     return 0
 
 

@@ -139,6 +139,22 @@ def test_latest_replaced(run_dir, tmp_path):
     assert kept == ["README.md", "bench.json", "bench.log", "bench.png", "nvidia-smi.txt"]
 
 
+def test_partial_run_keeps_latest(tmp_path):
+    """A run of only NAME.rows.json: its rows are added; latest/ keeps the last full run."""
+    part = tmp_path / "h100-2030-01-05"
+    part.mkdir()
+    (part / "norm.rows.json").write_text(json.dumps(
+        {"device": "NVIDIA Test GPU", "rows": [_extra_row(workload="qk-norm")]}))
+    results = tmp_path / "results"
+    (results / "latest").mkdir(parents=True)
+    (results / "latest" / "bench.json").write_text("{}")
+    assert record.record(part, results=results, commit="abc1234") == 1
+    (row,) = _rows(results)
+    assert (row["workload"], row["run"], row["gpu"]) == (
+        "qk-norm", "h100-2030-01-05", "NVIDIA Test GPU")
+    assert sorted(p.name for p in (results / "latest").iterdir()) == ["bench.json"]
+
+
 def test_bad_input(run_dir, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
