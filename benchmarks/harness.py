@@ -20,10 +20,11 @@ The method
   calls captured in one torch CUDA graph, replayed between events.
 * Rows (:func:`csv_row`, :func:`write_rows`): results/runs.csv's columns, so
   that ``benchmarks.record`` adds a run's ``NAME.rows.json`` as it is.
-* Command line (:func:`parser`, :func:`start`): ``--json``,
-  ``--reps``, ``--sets``, ``--list``, ``--peers`` mean the same in every
-  script; without a CUDA device a script says so in one line and exits
-  with status 2 (``--help`` and ``--list`` still work).
+* Command line (:func:`parser`, :func:`start`): a flag means the same in
+  every script that takes it (``--json``, ``--reps``, ``--sets``,
+  ``--list``, ``--peers``; each script's ``--help`` lists its own); without
+  a CUDA device a script says so in one line and exits with status 2
+  (``--help`` and ``--list`` still work).
 """
 
 from __future__ import annotations

@@ -295,6 +295,10 @@ def check_cache_norm(q_weight, k_weight, eps, weight_mode, rounding):
     norm_scope "head" (the only scope offered here)."""
     if weight_mode is None and q_weight is None and k_weight is None:
         qk_norm.check_norm("head", "none", rounding, eps)  # bad options still raise
+        for name, value, default in (("eps", eps, 1e-6), ("rounding", rounding, "before_weight")):
+            if value != default:  # a norm option without a norm would be ignored
+                raise ValueError(f"{name}: applies to the q/k norm, which runs only with "
+                                 f"q_weight and k_weight or weight_mode='none'; got {value!r}")
         return None, (None, None)
     norm = qk_norm.check_norm("head", "w" if weight_mode is None else weight_mode, rounding, eps)
     return norm, qk_norm.describe_weights(q_weight, k_weight, norm)
@@ -844,7 +848,8 @@ interleaved, rotary_dim, head_dim
         k heads are normalized, weighted, rounded, rotated and stored (q's
         tail channels normalized, in place too); v is cached as it is.
     eps : float
-        Added to the mean square (with the norm).
+        Added to the mean square (with the norm; without one, a value other
+        than the default raises, as does ``rounding``).
     weight_mode : {None, "w", "1+w", "none"}
         None: no norm without weights, "w" with both weights; "w" and
         "1+w" need both weights, "none" (a weightless RMS norm) takes none.
@@ -1155,7 +1160,8 @@ def shipped_specs() -> list:
     plus the per-head q/k norm (Qwen3's: weights "w", rounding before the
     weight) for each dtype and cache format at head_dim 64, 128 and 256,
     and its other weight modes and rounding, GPT-J pairs and half rotary
-    at head_dim 128, and float32 GPT-J at head_dim 256 (two items a lane).
+    at head_dim 128, float32 GPT-J at head_dim 256 (two items a lane), and
+    with cu_seqlens or q written as FP8 (bfloat16, head_dim 128).
     The CPU tests compile them all with NVRTC.
 
     Returns
@@ -1188,6 +1194,11 @@ def shipped_specs() -> list:
     # float32 GPT-J pairs at head_dim 256: 64 items, two a lane
     calls += [_shipped_call("float32", fmt, 256, True, "table", "explicit", 256, False, tensor,
                             qwen3) for fmt in (SAME, "float8_e4m3fn")]
+    # the norm with cu_seqlens, and with q written as FP8
+    calls += [_shipped_call("bfloat16", fmt, 128, False, "table", "varlen", 128, False, tensor,
+                            qwen3) for fmt in (SAME, "float8_e4m3fn")]
+    calls += [_shipped_call("bfloat16", fmt, 128, False, "table", "explicit", 128, True, tensor,
+                            qwen3) for fmt in FP8_FORMATS]
     for cc in calls:
         for unroll in (1, 4):
             specs.add(choose_spec(cc, unroll))

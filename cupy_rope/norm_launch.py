@@ -184,6 +184,8 @@ def choose_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
         least = 1 if backward else min(POLICY.token_unroll,
                                        max(1, POLICY.pass_floats[0] // per_head))
         unroll = _token_unroll(lanes, heads, call.slabs[0].name, least)
+        if not _slots_used([s.heads for s in call.slabs], unroll):
+            unroll = _token_unroll(lanes, heads, call.slabs[0].name)
     elif not backward and _few_rows(call):
         unroll = 1
     else:
@@ -201,12 +203,6 @@ def choose_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
         _weights_aligned(weights, runs, d if norm.scope == "token" else 0),
         norm.rounding == "before_weight" and not backward, lanes, k_items, unroll, backward,
         weight_grad and weights is not None, POLICY.min_blocks[backward])
-
-
-def few_rows(tokens: int, heads: int) -> bool:
-    """Is a forward call of ``tokens`` tokens with at most ``heads`` heads
-    per slab decode-sized (launched for latency rather than bandwidth)?"""
-    return tokens * heads < POLICY.few_rows
 
 
 def lane_layout(head_dim: int, rotary_dim: int, pairs: int, tail_vec: int) -> tuple:
@@ -228,7 +224,23 @@ def _weights_aligned(weights, runs, head_stride: int) -> bool:
 
 
 def _few_rows(call: Call) -> bool:
-    return few_rows(call.tokens, max(s.heads for s in call.slabs))
+    """Is a forward call decode-sized (launched for latency rather than bandwidth)?"""
+    return call.tokens * max(s.heads for s in call.slabs) < POLICY.few_rows
+
+
+def _slots_used(slab_heads, unroll: int, floor: float = 0.75) -> bool:
+    """Scope "token": does every slab fill at least ``floor`` of its head
+    lanes' slots when a thread holds ``unroll`` heads? (A slab's head lanes
+    must divide blockDim.y, which the largest slab sets: with GQA and
+    several heads a thread, k may find only a count far above its need.)"""
+    by = -(-max(slab_heads) // unroll)
+    for h in slab_heads:
+        if h:
+            need = -(-h // unroll)
+            lanes = next(n for n in range(need, by + 1) if by % n == 0)
+            if h < floor * lanes * unroll:
+                return False
+    return True
 
 
 def _token_unroll(lanes: int, heads: int, name: str, least: int = 1) -> int:

@@ -506,8 +506,13 @@ __device__ __forceinline__ void norm_rows(const CacheParams& p, const Rows& rows
               rows, h, s, static_cast<int>(threadIdx.x) + k * LANES, raw[u][k]);
         continue;
       }
+      // The slab's weights, selected element by element: indexing wr with
+      // the run-time slab would move both weight arrays to local memory.
+      Packet<WT, W> w[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) w[k] = s == 0 ? wr[0][k] : wr[1][k];
       norm_row<T, WT, L, INTERLEAVED, PAIRS, TAIL_VEC, WEIGHT, ROUND_BEFORE, LANES, K>(
-          rows, h, s, raw[u], wr[s], p.eps, c, sn);
+          rows, h, s, raw[u], w, p.eps, c, sn);
     }
   }
 }
@@ -558,6 +563,7 @@ __global__ void __launch_bounds__(CACHE_THREADS) rope_cache_kernel(const CachePa
     using L = ItemLayout<HEAD_DIM, ROTARY_DIM, INTERLEAVED, PAIRS, TAIL_VEC>;
     static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "LANES: 2^k <= 32");
     static_assert(LANES * K >= L::ITEMS, "the lanes hold every item");
+    static_assert(TAIL_VEC <= L::W, "a tail item fits an item's packet");
     auto find_angles = [&](float (&c)[K][PAIRS], float (&sn)[K][PAIRS]) {
       i64 pos = 0, seq = 0;
       if constexpr (POS_MODE == VARLEN) {

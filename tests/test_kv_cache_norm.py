@@ -179,6 +179,8 @@ BAD = [
      "k_weight"),
     ("weight-strided", dict(q_weight=np.ones(2 * D)[::2], k_weight=W), ValueError, "q_weight"),
     ("weight-int", dict(q_weight=np.ones(D, np.int32), k_weight=W), TypeError, "q_weight"),
+    ("eps-without-norm", dict(eps=1e-5), ValueError, "eps"),
+    ("rounding-without-norm", dict(rounding="after_weight"), ValueError, "rounding"),
 ]
 
 

@@ -896,3 +896,18 @@ def test_prepared_launch_packs_each_calls_parameters(no_gpu_kernels, monkeypatch
     thread.join()
     assert len(p.buffers) == 2  # a parameter block per thread
     assert launched == want * 2
+
+
+@pytest.mark.parametrize("heads, unroll, used", [
+    ((40, 40), 3, True),   # Wan: 14 head lanes hold 42 slots for 40 heads
+    ((32, 32), 3, True),
+    ((32, 8), 3, False),   # k's lanes must divide 11: 33 slots for 8 heads
+    ((32, 8), 1, True),
+    ((40, 8, 8), 3, False),
+], ids=["wan", "equal-heads", "gqa", "gqa-one-head-a-thread", "gqa-qkv"])
+def test_token_scope_heads_a_thread_keep_slots_used(heads, unroll, used):
+    """Scope "token" forward takes several heads a thread only where every
+    slab still fills its head lanes (GQA falls back to one a thread)."""
+    from cupy_rope import norm_launch
+
+    assert norm_launch._slots_used(list(heads), unroll) is used
