@@ -343,9 +343,16 @@ _SHARED_PARAMETERS = """cos, sin : jax.Array, optional
         [axes, 1, s] or [axes, b, s] (thd: [axes, t])."""
 
 
+#: The Raises text of the calls that take the shared parameters.
+_RAISES = """Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
+        ``ValueError`` for host int64 positions or offsets beyond int32
+        while ``jax_enable_x64`` is off."""
+
+
 def _shared_doc(f):
-    """Fill ``f``'s docstring with :data:`_SHARED_PARAMETERS`."""
-    f.__doc__ = f.__doc__ % {"shared_parameters": _SHARED_PARAMETERS}
+    """Fill ``f``'s docstring with :data:`_SHARED_PARAMETERS` and :data:`_RAISES`."""
+    for key, text in (("shared_parameters", _SHARED_PARAMETERS), ("raises", _RAISES)):
+        f.__doc__ = f.__doc__.replace(f"%({key})s", text)
     return f
 
 @_shared_doc
@@ -372,9 +379,7 @@ def rope(x, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=None, of
     Raises
     ------
     TypeError, ValueError
-        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
-        ``ValueError`` for host int64 positions or offsets beyond int32
-        while ``jax_enable_x64`` is off.
+        %(raises)s
 
     Examples
     --------
@@ -438,9 +443,7 @@ def rope_qk(q, k, cos=None, sin=None, *, inv_freq=None, freqs=None, positions=No
     Raises
     ------
     TypeError, ValueError
-        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
-        ``ValueError`` for host int64 positions or offsets beyond int32
-        while ``jax_enable_x64`` is off.
+        %(raises)s
 
     Examples
     --------
@@ -542,6 +545,7 @@ def _named_params(fn) -> frozenset:
                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
+@_shared_doc
 def rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=None,
              packing="concat", inv_freq=None, freqs=None, positions=None, offsets=None,
              layout="bshd", cu_seqlens=None, cp_size=1, cp_rank=0, interleaved=False,
@@ -591,9 +595,7 @@ def rope_qkv(qkv, cos=None, sin=None, *, num_q_heads, num_kv_heads, head_dim=Non
     Raises
     ------
     TypeError, ValueError
-        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
-        ``ValueError`` for host int64 positions or offsets beyond int32
-        while ``jax_enable_x64`` is off.
+        %(raises)s
 
     Examples
     --------

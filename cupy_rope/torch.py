@@ -411,10 +411,19 @@ _SHARED_PARAMETERS = """cos, sin : torch.Tensor, optional
         then [axes, s], [axes, 1, s] or [axes, b, s] (thd: [axes, t])."""
 
 
+#: The Raises text of the calls that take the shared parameters.
+_RAISES = """Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
+        ``ValueError`` for an angle tensor that requires grad (no gradient
+        is given for the angles), and a ``TypeError`` for a CPU tensor of a
+        dtype the NumPy reference does not take."""
+
+
 def _shared_doc(f):
-    """Fill ``f``'s docstring with :data:`_SHARED_PARAMETERS`."""
-    f.__doc__ = f.__doc__ % {"shared_parameters": _SHARED_PARAMETERS}
+    """Fill ``f``'s docstring with :data:`_SHARED_PARAMETERS` and :data:`_RAISES`."""
+    for key, text in (("shared_parameters", _SHARED_PARAMETERS), ("raises", _RAISES)):
+        f.__doc__ = f.__doc__.replace(f"%({key})s", text)
     return f
+
 
 @_shared_doc
 def rope(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, *,
@@ -444,10 +453,7 @@ def rope(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, 
     Raises
     ------
     TypeError, ValueError
-        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
-        ``ValueError`` for an angle tensor that requires grad (no gradient
-        is given for the angles), and a ``TypeError`` for a CPU tensor of a
-        dtype the NumPy reference does not take.
+        %(raises)s
 
     Examples
     --------
@@ -493,10 +499,7 @@ def rope_(x: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
     Raises
     ------
     TypeError, ValueError
-        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
-        ``ValueError`` for an angle tensor that requires grad (no gradient
-        is given for the angles), and a ``TypeError`` for a CPU tensor of a
-        dtype the NumPy reference does not take.
+        %(raises)s
 
     Examples
     --------
@@ -546,10 +549,7 @@ def rope_qk(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Te
     Raises
     ------
     TypeError, ValueError
-        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
-        ``ValueError`` for an angle tensor that requires grad (no gradient
-        is given for the angles), and a ``TypeError`` for a CPU tensor of a
-        dtype the NumPy reference does not take.
+        %(raises)s
 
     Examples
     --------
@@ -595,10 +595,7 @@ def rope_qk_(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[T
     Raises
     ------
     TypeError, ValueError
-        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
-        ``ValueError`` for an angle tensor that requires grad (no gradient
-        is given for the angles), and a ``TypeError`` for a CPU tensor of a
-        dtype the NumPy reference does not take.
+        %(raises)s
 
     Examples
     --------
@@ -624,6 +621,7 @@ def rope_qk_(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[T
     return q, k
 
 
+@_shared_doc
 def rope_qkv(qkv: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, *,
              num_q_heads: int, num_kv_heads: int, head_dim: Optional[int] = None,
              packing: str = "concat", inv_freq=None, freqs=None, cos_sin_cache=None,
@@ -665,10 +663,7 @@ def rope_qkv(qkv: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = 
     Raises
     ------
     TypeError, ValueError
-        Naming the argument, as :func:`cupy_rope.apply_rope` does; also a
-        ``ValueError`` for an angle tensor that requires grad (no gradient
-        is given for the angles), and a ``TypeError`` for a CPU tensor of a
-        dtype the NumPy reference does not take.
+        %(raises)s
 
     Examples
     --------
