@@ -424,6 +424,15 @@ def _cupy_dtype(name: str):
     return cupy.dtype(name)
 
 
+def _numpy_dtype(name: str):
+    """The NumPy dtype of a dtype name (bfloat16: ml_dtypes', which JAX brings)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 def empty_like(t: Tensor):
     """A new uninitialised array of ``t``'s framework, shape, dtype and device.
 
@@ -435,6 +444,8 @@ def empty_like(t: Tensor):
         return sys.modules["torch"].empty_like(t.obj)
     if t.kind == "numpy":
         return np.empty_like(t.obj)
+    if not t.on_gpu:  # a host JAX / DLPack array: the NumPy reference's output
+        return np.empty(t.shape, dtype=_numpy_dtype(t.dtype))
     import cupy
 
     with cupy.cuda.Device(t.device[1]):
@@ -449,6 +460,8 @@ def empty(t: Tensor, shape):
         return sys.modules["torch"].empty(shape, dtype=t.obj.dtype, device=t.obj.device)
     if t.kind == "numpy":
         return np.empty(shape, dtype=t.obj.dtype)
+    if not t.on_gpu:
+        return np.empty(shape, dtype=_numpy_dtype(t.dtype))
     import cupy
 
     with cupy.cuda.Device(t.device[1]):
@@ -530,8 +543,11 @@ def wrap_result(like, arr):
     """Return ``arr`` (allocated by :func:`empty_like` or :func:`empty` for
     ``like``) in ``like``'s framework: a JAX array for JAX, else as it is."""
     if _module_of(like) in ("jax", "jaxlib"):
+        import jax
         import jax.dlpack
 
+        if isinstance(arr, np.ndarray):  # a host result: onto the input's device
+            return jax.device_put(arr, next(iter(like.devices())))
         return jax.dlpack.from_dlpack(arr)
     return arr
 

@@ -569,8 +569,13 @@ def _rotary_dim(rotary_dim, width: int, head_dim: int, src_name: str) -> int:
             raise ValueError(f"{src_name}: expected {rotary_dim // 2} frequencies "
                              f"(rotary_dim / 2) in its last axis, got {width}")
     if rotary_dim > head_dim:
+        hint = ""
+        if width == head_dim and src_name in ("cos", "sin", "freqs"):
+            hint = (f"; {src_name} holds one value per pair ([positions, rotary_dim / 2]): "
+                    f"for a full-width table (Hugging Face's [positions, head_dim]) pass "
+                    f"{src_name}[..., :{head_dim // 2}]")
         raise ValueError(f"rotary_dim: must be <= head_dim ({head_dim}), got {rotary_dim} "
-                         f"(from {src_name} with {width} frequencies)")
+                         f"(from {src_name} with {width} frequencies){hint}")
     return rotary_dim
 
 

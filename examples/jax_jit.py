@@ -13,7 +13,7 @@ try:
     import jax
     import jax.numpy as jnp
 except ModuleNotFoundError:
-    sys.exit("this example needs JAX with CUDA: pip install 'cupy-rope[jax]'")
+    sys.exit("this example needs JAX with CUDA: pip install -e \".[cuda12,jax]\" from the checkout")
 
 if jax.default_backend() != "gpu":
     print("no GPU backend for JAX: nothing to run")

@@ -58,4 +58,5 @@ def test_jax_example_without_jax_says_how_to_get_it(tmp_path):
                           timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stdout + proc.stderr
-    assert proc.stderr.strip() == "this example needs JAX with CUDA: pip install 'cupy-rope[jax]'"
+    assert proc.stderr.strip() == ('this example needs JAX with CUDA: pip install -e ".[cuda12,jax]" '
+                                   'from the checkout')

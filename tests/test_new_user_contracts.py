@@ -438,3 +438,34 @@ def test_bench_on_this_machine_without_a_gpu():
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "no CUDA device was found" in proc.stderr
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_host_jax_arrays_run_the_reference_and_stay_jax(dtype):
+    """apply_rope / apply_rope_qk on JAX arrays on the CPU: the NumPy
+    reference runs and the results are JAX arrays on that device (before,
+    the output was allocated with CuPy, which fails without a GPU)."""
+    jax = pytest.importorskip("jax")
+    a = arrays()
+    cpu = jax.devices("cpu")[0]
+    x, q, k = (jax.device_put(a[n], cpu).astype(dtype) for n in ("x", "q", "k"))
+    y = cupy_rope.apply_rope(x, a["cos"], a["sin"])
+    want = cupy_rope.apply_rope(np.asarray(x.astype("float32")), a["cos"], a["sin"])
+    assert isinstance(y, jax.Array) and y.dtype == x.dtype and y.devices() == {cpu}
+    tol = 1e-6 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(y.astype("float32")), want, atol=tol, rtol=tol)
+    rq, rk = cupy_rope.apply_rope_qk(q, k, a["cos"], a["sin"])
+    assert isinstance(rq, jax.Array) and rk.shape == k.shape
+
+
+def test_messages_for_peer_conventions():
+    """A Hugging Face full-width table and vLLM's argument order get a hint."""
+    a = arrays()
+    full = np.concatenate([a["cos"], a["cos"]], axis=1)  # [positions, d]
+    with pytest.raises(ValueError, match=r"rotary_dim.*full-width table.*cos\[\.\.\., :8\]"):
+        cupy_rope.apply_rope(a["x"], full, full)
+    cache = np.concatenate([a["cos"], a["sin"]], axis=1)
+    rope = cupy_rope.RotaryEmbedding(cos_sin_cache=cache, layout="thd", head_dim=D)
+    q, k = a["q"].reshape(-1, 4 * D), a["k"].reshape(-1, 2 * D)
+    with pytest.raises(TypeError, match="positions come last"):
+        rope.qk_(np.arange(q.shape[0]), q, k)

@@ -26,6 +26,10 @@
 #                                        a flagged row fail the suite)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if ! nvidia-smi -L > /dev/null 2>&1; then
+  echo "gpu_suite.sh: no NVIDIA GPU here (nvidia-smi failed); the CPU tests run with: pytest"
+  exit 2
+fi
 OUT=${OUT:-$PWD/gpu-logs}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the baseline benchmark runs from its own tree
