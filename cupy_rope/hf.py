@@ -64,6 +64,7 @@ from __future__ import annotations
 import copy
 import inspect
 import types
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -612,6 +613,12 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     ValueError
         When no layer qualifies, naming the functions that are another formula.
 
+    Warns
+    -----
+    UserWarning
+        When every parameter of ``model`` is on the CPU: the patched layers
+        run the model's own formula there (the kernels need CUDA tensors).
+
     Examples
     --------
     >>> model = transformers.AutoModelForCausalLM.from_config(cfg)  # doctest: +SKIP
@@ -641,6 +648,11 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
                "; assign cupy_rope.hf.apply_rotary_pos_emb to its modeling module instead")
         raise ValueError(f"model: found no attention layer in {type(model).__name__} whose "
                          f"forward calls a Llama-formula apply_rotary_pos_emb{why}")
+    tensors = [t for t in (*model.parameters(), *model.buffers())]
+    if tensors and not any(t.device.type in _DEVICES for t in tensors):
+        warnings.warn("model: every parameter is on the CPU, where the patched layers run the "
+                      "model's own formula; cupy-rope's kernels run once the model is on a "
+                      "CUDA device", stacklevel=2)
     return model
 
 

@@ -141,3 +141,11 @@ def test_formula_probe_takes_fp32_and_in_place_functions():
     with torch.device("meta"):
         crhf._FORMULAS.pop(modeling_llama.apply_rotary_pos_emb, None)
         assert crhf._formula(modeling_llama.apply_rotary_pos_emb) == (True, False)
+
+
+def test_patching_a_cpu_model_says_the_kernels_need_cuda():
+    """hf.patch on a model whose parameters are all on the CPU warns that the
+    patched layers run the model's own formula there (no silent no-op)."""
+    model = build(LLAMA_FORMULA[next(iter(LLAMA_FORMULA))])
+    with pytest.warns(UserWarning, match="CUDA device"):
+        crhf.patch(model)
