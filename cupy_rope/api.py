@@ -1134,9 +1134,6 @@ sections_interleaved
                     return q, k
                 if go is None and len(fast) < 256:
                     remember = functools.partial(self._remember, fast, got[0], self._bound[1])
-        if "int" in str(getattr(q, "dtype", "")):  # vLLM's order: forward(positions, q, k)
-            raise TypeError(f"q: expected a floating-point array, got dtype {q.dtype}; "
-                            "qk_ takes (q, k, positions): positions come last")
         return _execute(
             "qk", (q, k), self._tables, (positions, None, None, None), self._qk_options, None,
             self._bound, remember)

@@ -648,8 +648,8 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
                "; assign cupy_rope.hf.apply_rotary_pos_emb to its modeling module instead")
         raise ValueError(f"model: found no attention layer in {type(model).__name__} whose "
                          f"forward calls a Llama-formula apply_rotary_pos_emb{why}")
-    tensors = [t for t in (*model.parameters(), *model.buffers())]
-    if tensors and not any(t.device.type in _DEVICES for t in tensors):
+    devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
+    if devices and not devices.intersection(_DEVICES):
         warnings.warn("model: every parameter is on the CPU, where the patched layers run the "
                       "model's own formula; cupy-rope's kernels run once the model is on a "
                       "CUDA device", stacklevel=2)

@@ -295,8 +295,8 @@ def check_cache_norm(q_weight, k_weight, eps, weight_mode, rounding):
     norm_scope "head" (the only scope offered here)."""
     if weight_mode is None and q_weight is None and k_weight is None:
         qk_norm.check_norm("head", "none", rounding, eps)  # bad options still raise
-        for name, value, default in (("eps", eps, 1e-6), ("rounding", rounding, "before_weight")):
-            if value != default:  # a norm option without a norm would be ignored
+        for name, value in (("eps", eps), ("rounding", rounding)):
+            if value != NormOptions._field_defaults[name]:  # would be ignored without a norm
                 raise ValueError(f"{name}: applies to the q/k norm, which runs only with "
                                  f"q_weight and k_weight or weight_mode='none'; got {value!r}")
         return None, (None, None)

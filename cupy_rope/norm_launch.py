@@ -234,13 +234,14 @@ def _slots_used(slab_heads, unroll: int, floor: float = 0.75) -> bool:
     must divide blockDim.y, which the largest slab sets: with GQA and
     several heads a thread, k may find only a count far above its need.)"""
     by = -(-max(slab_heads) // unroll)
-    for h in slab_heads:
-        if h:
-            need = -(-h // unroll)
-            lanes = next(n for n in range(need, by + 1) if by % n == 0)
-            if h < floor * lanes * unroll:
-                return False
-    return True
+    return all(h >= floor * _slab_lanes(h, by, unroll) * unroll for h in slab_heads if h)
+
+
+def _slab_lanes(heads: int, by: int, unroll: int) -> int:
+    """Head lanes of a slab of ``heads`` heads in blocks of ``by`` head lanes:
+    the fewest that hold its heads, ``unroll`` a lane, and divide ``by``."""
+    need = -(-heads // unroll)
+    return next(n for n in range(max(need, 1), by + 1) if by % n == 0)
 
 
 def _token_unroll(lanes: int, heads: int, name: str, least: int = 1) -> int:
@@ -272,8 +273,7 @@ def _token_scope_layout(spec: NormSpec, slab_heads, tokens: int):
     bz = max(1, min(NORM_THREADS // (spec.lanes * by), launch.MAX_BLOCK_Z, tokens))
     layout = []
     for h in slab_heads:
-        need = -(-h // spec.unroll)
-        lanes = next(n for n in range(max(need, 1), by + 1) if by % n == 0)
+        lanes = _slab_lanes(h, by, spec.unroll)
         layout.append((-(-tokens // (bz * (by // lanes))), lanes, max(h, 1)))
     return (spec.lanes, by, bz), layout
 

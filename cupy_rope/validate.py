@@ -1009,6 +1009,10 @@ def _activation_slabs(arrays: Arrays, options: Options):
     layout, head_dim = options.layout, options.head_dim
     names = INPUT_NAMES[arrays.op]
     xt = arrays.inputs[0]
+    if xt.dtype in INDEX_DTYPES:  # positions passed first, as vLLM's forward(positions, q, k)
+        raise TypeError(f"{names[0]}: expected dtype {' or '.join(_floats(xt.on_gpu))}, got "
+                        f"{xt.dtype}; positions come last (positions=, or after the arrays "
+                        "to rotate)")
     _check_dtype(xt, names[0], _floats(xt.on_gpu))
     batch, seqlen, h, d, st = head_view(xt, names[0], layout, head_dim)
     slabs = [Slab(names[0], xt, 0, st, None, 0, None, h, h, True)]
