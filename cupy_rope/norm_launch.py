@@ -43,6 +43,9 @@ from .validate import VARLEN, Call, NormOptions, head_view
 
 #: Threads per block (kernels/norm_rope.cu NORM_THREADS, its launch bounds).
 NORM_THREADS = 256
+#: Most threads of a norm_flat_token_kernel block (kernels/norm_flat.cu
+#: NORM_FLAT_TOKEN_THREADS, its launch bounds).
+FLAT_TOKEN_THREADS = 1024
 #: weight_grad_reduce's block: REDUCE_COLS channels x REDUCE_ROWS partial sums.
 REDUCE_COLS, REDUCE_ROWS = 32, 32
 SCOPES = {"head": 0, "token": 1}
@@ -72,6 +75,14 @@ class NormPolicy:
     #: Scope "token", forward: fewest heads a thread holds (fewer threads
     #: per token, so that a block holds several tokens).
     token_unroll: int = 3
+    #: The forward kernels tried in order: "flat" (norm_flat_kernel, where
+    #: it applies), then "rows" (norm_rope_kernel, which takes every call).
+    kernels: tuple = ("flat", "rows")
+    #: norm_flat_kernel: head rows a thread holds where a warp's rows share
+    #: a position (their angles and weights read once for all).
+    flat_rows: int = 4
+    #: norm_flat_token_kernel: threads a block holds at most (whole tokens).
+    flat_token_threads: int = 256
 
 
 #: The policy in force (tools replace it, then clear ``_plans``).
@@ -121,6 +132,39 @@ class NormSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class NormFlatSpec:
+    """Compile-time choices of one norm_flat_kernel instantiation: the
+    forward of a per-head norm over dense head rows, one 16-byte packet a
+    thread (kernels/norm_flat.cu)."""
+
+    dtype: str
+    angle_dtype: str
+    weight_dtype: str  # "float32" without a weight
+    head_dim: int
+    interleaved: bool
+    slabs: int  # the call's slab count
+    pos_mode: str  # implied or explicit
+    weight_mode: str
+    round_before: bool
+    rows: int = 1  # head rows a thread holds, all at one position (kernel U)
+    scope: str = "head"
+    heads: int = 0  # scope "token": every slab's heads (kernel HEADS)
+
+    source_file = "norm_flat.cu"
+    backward = False
+
+    def name_expression(self) -> str:
+        b = lambda v: "true" if v else "false"  # noqa: E731
+        kernel = "norm_flat_token_kernel" if self.scope == "token" else "norm_flat_kernel"
+        return f"rope::{kernel}<" + ", ".join([
+            CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], CXX_TYPES[self.weight_dtype],
+            str(self.head_dim), b(self.interleaved), str(self.slabs),
+            str(POS_MODES[self.pos_mode]), str(WEIGHT_MODES[self.weight_mode]),
+            b(self.round_before), str(self.rows)]
+            + ([str(self.heads)] if self.scope == "token" else [])) + ">"
+
+
+@dataclasses.dataclass(frozen=True)
 class ReduceSpec:
     """weight_grad_reduce for one weight-gradient dtype."""
 
@@ -136,6 +180,7 @@ class ReduceSpec:
 _NORM_SLAB = "QQQ" + "q" * 5 + "qqq"
 _NORM = struct.Struct("<" + _NORM_SLAB * launch.MAX_SLABS + "ff")
 NORM_PARAMS_SIZE = launch.PARAMS_SIZE + _NORM.size
+NORM_FLAT_PARAMS_SIZE = launch.FLAT_PARAMS_SIZE + _NORM.size  # rope::NormFlatParams
 _REDUCE = struct.Struct("<" + "Q" * (2 * launch.MAX_SLABS) + "q" * (2 * launch.MAX_SLABS))
 
 
@@ -168,12 +213,18 @@ def _widths(call: Call, inputs) -> "launch._Widths":
 
 def choose_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
                 weight_grad: bool = False, inputs=None) -> NormSpec:
-    """The norm_rope_kernel instantiation for ``call`` (outputs attached).
+    """The kernel instantiation for ``call`` (outputs attached): a forward
+    call's :class:`NormFlatSpec` where norm_flat_kernel takes it, else
+    norm_rope_kernel's :class:`NormSpec`.
 
     ``weights``: (q_weight, k_weight) descriptions of one dtype, or None;
     ``inputs``: the backward's forward inputs (q, k). Raises ValueError
     where a token's heads do not fit one block (scope "token").
     """
+    if not backward and "flat" in POLICY.kernels:
+        flat = _flat_spec(call, norm, weights)
+        if flat is not None:
+            return flat
     w = _widths(call, inputs)
     d, r = call.head_dim, call.rotary_dim
     tail_vec = w.tail_vec if r < d else 1
@@ -203,6 +254,45 @@ def choose_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
         _weights_aligned(weights, runs, d if norm.scope == "token" else 0),
         norm.rounding == "before_weight" and not backward, lanes, k_items, unroll, backward,
         weight_grad and weights is not None, POLICY.min_blocks[backward])
+
+
+def _flat_spec(call: Call, norm: NormOptions, weights) -> Optional[NormFlatSpec]:
+    """The flat kernels' spec for a forward ``call``, or None where they do
+    not apply. Both need full rotary on flat_kernel's layouts
+    (:func:`cupy_rope.launch.flat_geometry`), head rows of 2 to 32 aligned
+    16-byte packets (a power of two: scope "head" then sums a row's lanes
+    in norm_rope_kernel's order, so both kernels give the same bits) and
+    weights aligned for packets. Scope "token" also needs every slab's
+    heads innermost in memory, and as many heads in each slab."""
+    d = call.head_dim
+    vec = launch.MAX_VECTOR_BYTES // launch.ITEMSIZE[call.dtype]
+    packets = d // vec
+    geometry = launch.flat_geometry(call)
+    if (call.rotary_dim != d or d % vec or not 2 <= packets <= 32 or packets & (packets - 1)
+            or geometry is None):
+        return None
+    w = _widths(call, None)
+    if w.strided or w.table_strided or w.pairs * (2 if call.interleaved else 1) != vec:
+        return None
+    weights = _weights(weights) if norm.weight_mode != "none" else None
+    if not _weights_aligned(weights, [vec], d if norm.scope == "token" else 0):
+        return None
+    pass_rows = 32 // packets
+    spec = NormFlatSpec(call.dtype, call.tables[0].dtype, _weight_dtype(weights) or "float32",
+                        d, call.interleaved, len(call.slabs), call.pos_mode, norm.weight_mode,
+                        norm.rounding == "before_weight")
+    if norm.scope == "token":
+        heads = call.slabs[0].heads
+        if any(s.heads != heads or (heads > 1 and s.x_strides[3] != d) for s in call.slabs):
+            return None
+        rows = next((u for u in (4, 2, 1) if u <= POLICY.flat_rows
+                     and heads % (pass_rows * u) == 0
+                     and heads // (pass_rows * u) * 32 <= FLAT_TOKEN_THREADS), 0)
+        return dataclasses.replace(spec, rows=rows, scope="token", heads=heads) if rows else None
+    rows = POLICY.flat_rows
+    while rows > 1 and any(step % (pass_rows * rows) for _, step, _ in geometry):
+        rows //= 2
+    return dataclasses.replace(spec, rows=rows)
 
 
 def lane_layout(head_dim: int, rotary_dim: int, pairs: int, tail_vec: int) -> tuple:
@@ -278,9 +368,33 @@ def _token_scope_layout(spec: NormSpec, slab_heads, tokens: int):
     return (spec.lanes, by, bz), layout
 
 
+def _flat_shape(call: Call, spec: NormFlatSpec) -> _Shape:
+    """The flat kernels' grid: per slab, as many warps as its rows over the
+    rows a thread holds (scope "head"), or whole tokens a block (scope
+    "token"); units: the slab's rows."""
+    rows = [r for r, _, _ in launch.flat_geometry(call)]
+    packets = spec.head_dim * launch.ITEMSIZE[spec.dtype] // launch.MAX_VECTOR_BYTES
+    if spec.scope == "head":
+        grid, block, slab_blocks = launch.flat_shape(packets, True,
+                                                     [-(-r // spec.rows) for r in rows])
+    else:
+        token_threads = spec.heads * packets // spec.rows
+        per_block = max(1, POLICY.flat_token_threads // token_threads)
+        block = (per_block * token_threads, 1, 1)
+        slab_blocks, begin = [], 0
+        for r in rows:
+            slab_blocks.append((begin, 0, 0, 0))
+            begin += -(-(r // spec.heads) // per_block)
+        grid = (begin, 1, 1)
+    ends = [b[0] for b in slab_blocks[1:]] + [grid[0]]
+    return _Shape(grid, block, slab_blocks, rows, [e - b[0] for b, e in zip(slab_blocks, ends)])
+
+
 def launch_shape(call: Call, spec: NormSpec, sm_count: int) -> _Shape:
     """Grid, block and per-slab layout of ``spec`` running ``call``."""
     heads = tuple(s.heads for s in call.slabs)
+    if isinstance(spec, NormFlatSpec):
+        return _flat_shape(call, spec)
     if spec.scope == "token":
         block, layout = _token_scope_layout(spec, heads, call.tokens)
     else:
@@ -344,9 +458,9 @@ def _weight_len(call: Call, scope: str, i: int) -> int:
 class Plan(NamedTuple):
     """What a call signature needs, computed once (see :func:`plan`)."""
 
-    spec: NormSpec
+    spec: "NormSpec | NormFlatSpec"
     shape: _Shape
-    fixed: bytes  # the fixed part of rope::Params (launch.fixed_params)
+    fixed: bytes  # the fixed part of rope::Params, or of rope::FlatParams (NormFlatSpec)
 
 
 _plans: dict = {}
@@ -390,7 +504,9 @@ def plan(call: Call, weights, norm: NormOptions, backward: bool = False,
         return found
     spec = choose_spec(call, norm, weights, backward, weight_grad, inputs)
     shape = launch_shape(call, spec, launch._sm_count(call.device[1]))
-    found = Plan(spec, shape, launch.fixed_params(call, shape.slab_blocks))
+    fixed = (launch.flat_fixed_params(call, shape.slab_blocks, launch.flat_geometry(call))
+             if isinstance(spec, NormFlatSpec) else launch.fixed_params(call, shape.slab_blocks))
+    found = Plan(spec, shape, fixed)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[key] = found
@@ -730,8 +846,9 @@ SHIPPED_HEAD_DIMS = (64, 80, 128, 256)
 LARGE_TOKENS = 8192  # 4 q heads: above NormPolicy.few_rows
 
 
-def _shipped_call(tensor, dtype, d, r, interleaved, inplace, pos_mode, source, s=16):
-    """A shape-only qk call (q 4 heads, k 2 heads, ``s`` tokens, thd)."""
+def _shipped_call(tensor, dtype, d, r, interleaved, inplace, pos_mode, source, s=16,
+                  heads=(4, 2)):
+    """A shape-only qk call (q and k ``heads`` heads, ``s`` tokens, thd)."""
     from .validate import check_call
 
     kw = {}
@@ -746,8 +863,9 @@ def _shipped_call(tensor, dtype, d, r, interleaved, inplace, pos_mode, source, s
     elif pos_mode == "axes":
         kw["positions"] = tensor((3, s), "int32")
         kw["sections"] = (r // 2 - 2, 1, 1)
-    q, k = tensor((s, 4, d), dtype), tensor((s, 2, d), dtype)
-    outs = {} if inplace else dict(out=tensor((s, 4, d), dtype), out_k=tensor((s, 2, d), dtype))
+    (hq, hk) = heads
+    q, k = tensor((s, hq, d), dtype), tensor((s, hk, d), dtype)
+    outs = {} if inplace else dict(out=tensor((s, hq, d), dtype), out_k=tensor((s, hk, d), dtype))
     return check_call(q, k=k, layout="thd", interleaved=interleaved, inplace=inplace, **outs,
                       **kw)
 
@@ -756,9 +874,10 @@ def shipped_specs() -> list:
     """The specializations the CPU compile test builds: dtype x head_dim
     {64, 80, 128, 256} x full / half rotary x NeoX / GPT-J x scope x
     (weight w rounded before, 1 + w rounded after, no weight), forward for
-    decode-sized and large calls, backward with and without weight
-    gradients; plus each position rule and computed angles for head_dim
-    128. (In place and out of place share their kernels.)"""
+    decode-sized and large calls (scope "token" also with as many k heads
+    as q heads), backward with and without weight gradients; plus each
+    position rule and computed angles for head_dim 128. (In place and out
+    of place share their kernels.)"""
     import itertools
 
     tensor = launch._FakeArrays()
@@ -780,6 +899,10 @@ def shipped_specs() -> list:
                 call = _shipped_call(tensor, dtype, d, r, interleaved, False, pos_mode, source,
                                      tokens)
                 specs.add(choose_spec(call, norm, weights))
+            if scope == "token" and pos_mode == "implied":  # q and k of 8 heads: flat too
+                even = _shipped_call(tensor, dtype, d, r, interleaved, False, pos_mode, source,
+                                     LARGE_TOKENS, (8, 8))
+                specs.add(choose_spec(even, norm, (tensor((8 * d,), dtype),) * 2))
             inputs = [s.x for s in call.slabs]
             for wgrad in (False, True):
                 specs.add(choose_spec(call, norm, weights, True, wgrad, inputs))

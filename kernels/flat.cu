@@ -26,43 +26,9 @@
 // them. Here a thread finds its packet with a few integer operations, in 32
 // registers or fewer, and every warp access covers contiguous memory, as a
 // plain copy does (docs/performance.md, "flat_kernel").
-#include "angles.cuh"
+#include "flat_rows.cuh"
 
 namespace rope {
-
-// Threads per block (cupy_rope/launch.py FLAT_THREADS), and the blocks per
-// SM asked of the compiler: all the threads an SM holds, which caps a
-// thread at 32 registers on sm_80 and newer.
-constexpr int FLAT_THREADS = 128;
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 750)
-constexpr int SM_MAX_THREADS = 1024;
-#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || \
-                                 __CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
-constexpr int SM_MAX_THREADS = 1536;
-#else
-constexpr int SM_MAX_THREADS = 2048;
-#endif
-constexpr int FLAT_MIN_BLOCKS = SM_MAX_THREADS / FLAT_THREADS;
-
-// This block's slab (block-uniform) and its data pointers, picked with
-// compile-time indices. SLABS is the call's slab count (x alone 1, q and k
-// 2): with one slab nothing is picked, so the x address waits for no
-// comparison of blockIdx against the slabs' first blocks.
-struct FlatBlock {
-  const void* x;
-  void* out;
-  FlatSlab s;
-};
-
-template <int SLABS>
-__device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
-  const int k = block_slab_index<SLABS>(p);
-  FlatBlock f;
-#pragma unroll
-  for (int i = 0; i < SLABS; ++i)
-    if (i == k) f = FlatBlock{p.x_data[i], p.out_data[i], p.slab[i]};
-  return f;
-}
 
 // SPLIT_ANGLES (NeoX): the two lanes of a rotation pair, which need the same
 // cos/sin, each read half of them and swap halves by shuffle. The launcher
@@ -148,22 +114,10 @@ __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(con
     if (live) partner = load_raw<T, VEC>(x + (first_half ? HALF * VEC : -HALF * VEC), 1);
   }
 
-  // The position: the row's sequence index (or, EXPLICIT, the positions
-  // entry there) plus the scalar offset. The host checks every position it
-  // can see against the table (implied positions, host arrays); as in the
-  // other kernels, a position outside it still reads no memory (row 0 is
-  // read) and gives NaN. A lane with no row reads row 0 too.
-  const unsigned step = divide(row, sl.step_mul, sl.step_shift);
-  const unsigned seq = static_cast<unsigned>(sl.seq_len);
-  const unsigned index = seq ? step - divide(step, sl.seq_mul, sl.seq_shift) * seq : step;
-  i64 wanted = p.offset;
-  if constexpr (POS_MODE == EXPLICIT) {
-    if (live) wanted += load_index(p.positions, static_cast<i64>(index) * p.pos_stride, p.pos_is_64);
-  } else {
-    wanted += static_cast<i64>(index);
-  }
-  const bool inside = wanted >= 0 && wanted < p.max_position;
-  const i64 pos = live && inside ? wanted : 0;
+  // The position (a lane with no row, or outside the table, reads row 0).
+  const FlatPosition fp = flat_position<POS_MODE>(p, sl, row, live);
+  const i64 pos = fp.pos;
+  const bool inside = fp.inside;
 
   // The table rows: requested once x is here (LATE_TABLES), or before the
   // partner exchange, which waits for x, so that both loads are in flight

@@ -10,6 +10,18 @@ namespace rope {
 
 enum WeightMode : int { WEIGHT_NONE = 0, WEIGHT_W = 1, WEIGHT_ONE_PLUS = 2 };
 
+// The norm's part of one slab (q or k): NormParams (kernels/norm_rope.cu)
+// and NormFlatParams (kernels/norm_flat.cu) end with one per slab.
+struct NormSlab {
+  const void* weight;     // [weight_len] (WEIGHT != WEIGHT_NONE)
+  float* weight_partial;  // backward with weight gradients: [blocks, weight_len]
+  const void* input_data;  // backward: the forward input x
+  View input;              // its strides, as Params' views
+  i64 blocks;             // blocks of this slab
+  i64 units;              // token blocks x head groups
+  i64 weight_len;         // HEAD_DIM (SCOPE_HEAD) or heads * HEAD_DIM
+};
+
 // The channels of one head's items: ROT rotating items, then TAIL tail
 // items; an item is W floats (a tail item uses its first TAIL_VEC).
 template <int HEAD_DIM, int ROTARY_DIM, bool INTERLEAVED, int PAIRS, int TAIL_VEC>

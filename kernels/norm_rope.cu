@@ -44,17 +44,6 @@ constexpr int NORM_THREADS = 256;  // threads per block (cupy_rope/norm_launch.p
 constexpr int MAX_SHARED_SUMS = 32;
 enum NormScope : int { SCOPE_HEAD = 0, SCOPE_TOKEN = 1 };
 
-// The norm's part of one slab (q or k).
-struct NormSlab {
-  const void* weight;     // [weight_len] (WEIGHT != WEIGHT_NONE)
-  float* weight_partial;  // backward with weight gradients: [blocks, weight_len]
-  const void* input_data;  // backward: the forward input x
-  View input;              // its strides, as Params' views
-  i64 blocks;             // blocks of this slab
-  i64 units;              // token blocks x head groups
-  i64 weight_len;         // HEAD_DIM (SCOPE_HEAD) or heads * HEAD_DIM
-};
-
 // norm_rope_kernel's parameters: the rope Params (the slabs of x and out,
 // the angle source and positions), then the norm's.
 struct NormParams : Params {

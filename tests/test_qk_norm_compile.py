@@ -31,6 +31,12 @@ def test_every_shipped_norm_specialization_compiles_for_sm90():
     assert {s.pos_mode for s in kernels} == set(specialize.POS_MODES)
     assert {s.round_before for s in kernels if not s.backward} == {False, True}
     assert {s.items for s in kernels} == {1, 2}  # a lane holds one or two items
+    flat = [s for s in specs if isinstance(s, norm_launch.NormFlatSpec)]
+    # per-head forward calls on dense rows: both styles, every weight mode and rounding
+    assert {(s.interleaved, s.weight_mode, s.round_before) for s in flat} >= {
+        (i, m, r) for i in (False, True) for m, r in (("w", True), ("1+w", False), ("none", True))}
+    assert {s.head_dim for s in flat} == {64, 128, 256}  # d80: rows of 10 packets stay on rows
+    assert {s.scope for s in flat} == {"head", "token"} and {s.rows for s in flat} >= {1, 2, 4}
     chunks = [(specs[i:i + CHUNK], "sm_90") for i in range(0, len(specs), CHUNK)]
     workers = min(len(chunks), os.cpu_count() or 1)
     lowered = {}
@@ -38,15 +44,17 @@ def test_every_shipped_norm_specialization_compiles_for_sm90():
         for result in pool.map(_compile_chunk, chunks):
             lowered.update(result)
     assert set(lowered) == {s.name_expression() for s in specs}
-    assert all(n.startswith(("_ZN4rope16norm_rope_kernel", "_ZN4rope18weight_grad_reduce"))
+    assert all(n.startswith(("_ZN4rope16norm_rope_kernel", "_ZN4rope16norm_flat_kernel",
+                             "_ZN4rope22norm_flat_token_kernel", "_ZN4rope18weight_grad_reduce"))
                for n in lowered.values())
 
 
 def test_norm_params_struct_matches_the_header():
-    """rope::NormSlab lists the fields norm_launch packs, in order."""
-    text = (specialize.KERNEL_DIR / "norm_rope.cu").read_text()
-    text = re.sub(r"//[^\n]*", "", text)
-    body = re.search(r"struct NormSlab \{(.*?)\};", text, re.S).group(1)
+    """rope::NormSlab lists the fields norm_launch packs, in order, and both
+    norm kernels' parameters end with one per slab, then eps."""
+    text, items, flat = (re.sub(r"//[^\n]*", "", (specialize.KERNEL_DIR / f).read_text())
+                         for f in ("norm_rope.cu", "norm_items.cuh", "norm_flat.cu"))
+    body = re.search(r"struct NormSlab \{(.*?)\};", items, re.S).group(1)
     names = re.findall(r"\b(\w+);", body)
     assert names == ["weight", "weight_partial", "input_data", "input", "blocks", "units",
                      "weight_len"]
@@ -54,6 +62,8 @@ def test_norm_params_struct_matches_the_header():
     assert norm_launch._NORM_SLAB == "QQQ" + "q" * 5 + "qqq"
     assert re.search(r"struct NormParams : Params \{\s*NormSlab norm\[MAX_SLABS\];\s*"
                      r"float eps;\s*float pad2_;\s*\};", text)
+    assert re.search(r"struct NormFlatParams : FlatParams \{\s*NormSlab norm\[MAX_SLABS\];\s*"
+                     r"float eps;\s*float pad2_;\s*\};", flat)
     consts = dict(re.findall(r"constexpr int (\w+) = (\d+);", text))
     assert int(consts["NORM_THREADS"]) == norm_launch.NORM_THREADS
     assert int(consts["REDUCE_COLS"]) == norm_launch.REDUCE_COLS
@@ -62,11 +72,13 @@ def test_norm_params_struct_matches_the_header():
 
 def test_param_blocks_are_the_size_the_launcher_packs():
     """The .param block NVRTC lays out for each kernel is exactly the bytes
-    norm_launch packs (NormParams; ReduceParams)."""
+    norm_launch packs (NormParams; NormFlatParams; ReduceParams)."""
     specs = norm_launch.shipped_specs()
     kernel = next(s for s in specs if isinstance(s, norm_launch.NormSpec))
+    flat = next(s for s in specs if isinstance(s, norm_launch.NormFlatSpec))
     reduce = next(s for s in specs if isinstance(s, norm_launch.ReduceSpec))
     for spec, size in ((kernel, norm_launch.NORM_PARAMS_SIZE),
+                       (flat, norm_launch.NORM_FLAT_PARAMS_SIZE),
                        (reduce, norm_launch._REDUCE.size)):
         ptx = specialize.ptx_for_arch([spec])
         assert re.findall(r"\.param \.align \d+ \.b8 \w+\[(\d+)\]", ptx) == [str(size)]
@@ -80,6 +92,8 @@ def test_packed_parameters_have_the_declared_size(monkeypatch, scope, backward):
     blocks as units; a second call of the signature reuses the plan."""
     monkeypatch.setattr(launch, "_sm_count", lambda device_id: 132)  # no GPU here
     monkeypatch.setattr(norm_launch, "_plans", {})
+    # norm_rope_kernel's layout (a dense per-head forward runs norm_flat_kernel)
+    monkeypatch.setattr(norm_launch, "POLICY", norm_launch.NormPolicy(kernels=("rows",)))
     tensor = launch._FakeArrays()
     call = norm_launch._shipped_call(tensor, "bfloat16", 128, 128, False, False, "implied",
                                      "table")
@@ -107,6 +121,55 @@ def test_packed_parameters_have_the_declared_size(monkeypatch, scope, backward):
         if scope == "token":  # a block holds every head of its tokens in one pass
             assert head_lanes * spec.unroll >= sl.heads and units == token_blocks
         assert 0 < blocks <= units
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_dense_per_head_forward_runs_the_flat_kernel(monkeypatch, interleaved):
+    """A per-head forward on dense rows plans norm_flat_kernel: flat_kernel's
+    grid (every head row's packets on the lanes of whole warps) and
+    FlatParams' fields, then the norm's; the other calls keep norm_rope_kernel."""
+    monkeypatch.setattr(launch, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(norm_launch, "_plans", {})
+    tensor = launch._FakeArrays()
+    call = norm_launch._shipped_call(tensor, "bfloat16", 128, 128, interleaved, False,
+                                     "implied", "table", s=1000)
+    weights = [tensor((128,), "bfloat16"), tensor((128,), "bfloat16")]
+    norm = NormOptions("head", "w", "before_weight")
+    plan = norm_launch.plan(call, weights, norm)
+    assert plan.spec == norm_launch.NormFlatSpec("bfloat16", "float32", "bfloat16", 128,
+                                                 interleaved, 2, "implied", "w", True)
+    rows = [1000 * 4, 1000 * 2]  # q 4 heads, k 2; 16 packets a row, 8 rows a block
+    assert plan.shape.block == (launch.FLAT_THREADS, 1, 1)
+    assert plan.shape.blocks == [-(-r // 8) for r in rows] and plan.shape.units == rows
+    assert plan.shape.grid == (sum(plan.shape.blocks), 1, 1)
+    fields = dict(zip((n for n, _ in launch.FLAT_FIXED_FIELDS),
+                      launch._FLAT_FIXED.unpack(plan.fixed)))
+    assert (fields["slab[0].rows"], fields["slab[1].rows"]) == tuple(rows)
+    assert fields["slab[1].block_begin"] == plan.shape.blocks[0]
+    params = norm_launch._params(call, plan, norm_launch._weights(weights), None, None, 1e-6)
+    assert len(params) == norm_launch.NORM_FLAT_PARAMS_SIZE
+    assert norm_launch._NORM.unpack_from(params, norm_launch.NORM_FLAT_PARAMS_SIZE
+                                         - norm_launch._NORM.size)[0] == weights[0].ptr
+    # several rows a thread where a warp's rows share a position
+    wide = norm_launch._shipped_call(tensor, "bfloat16", 128, 128, interleaved, False,
+                                     "implied", "table", 1000, (16, 8))
+    assert norm_launch.choose_spec(wide, norm, weights).rows == 4
+    # scope token with as many heads in q and k: whole tokens a block
+    token = NormOptions("token")
+    spec = norm_launch.choose_spec(wide._replace(slabs=(wide.slabs[1],) * 2), token,
+                                   [tensor((1024,), "bfloat16")] * 2)
+    assert (spec.scope, spec.heads, spec.rows) == ("token", 8, 4)
+    # not flat: the backward, scope token with other k heads, partial rotary, head_dim 80
+    inputs = [s.x for s in call.slabs]
+    assert isinstance(norm_launch.choose_spec(call, norm, weights, True, True, inputs),
+                      norm_launch.NormSpec)
+    token_w = [tensor((512,), "bfloat16"), tensor((256,), "bfloat16")]
+    assert isinstance(norm_launch.choose_spec(call, token, token_w), norm_launch.NormSpec)
+    for d, r in ((128, 64), (80, 80)):
+        other = norm_launch._shipped_call(tensor, "bfloat16", d, r, interleaved, False,
+                                          "implied", "table")
+        w = [tensor((d,), "bfloat16")] * 2
+        assert isinstance(norm_launch.choose_spec(other, norm, w), norm_launch.NormSpec)
 
 
 def test_token_scope_refuses_more_heads_than_a_block_holds():

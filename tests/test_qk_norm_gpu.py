@@ -362,12 +362,14 @@ def test_forward_large_call(rng, dtype, scope):
     check_forward(rng, q, k, scope, VARIANTS[0], rope_kw, dtype, modes=("out", "inplace"))
 
 
-#: Launch policies other than the default, each taking paths of its own
-#: (a block per unit; one head a pass; many units a block; wide passes).
-POLICIES = {"block_per_unit": dict(forward_blocks_per_sm=0),
-            "one_head_a_pass": dict(pass_floats=(16, 16), few_rows=0),
-            "many_units_a_block": dict(forward_blocks_per_sm=1, backward_blocks_per_sm=1),
-            "wide_passes": dict(pass_floats=(64, 64), min_blocks=(2, 2))}
+#: Launch policies other than the default, each taking paths of its own in
+#: norm_rope_kernel (a block per unit; one head a pass; many units a block;
+#: wide passes), which then also runs the dense per-head forward.
+ROWS = dict(kernels=("rows",))
+POLICIES = {"block_per_unit": dict(ROWS, forward_blocks_per_sm=0),
+            "one_head_a_pass": dict(ROWS, pass_floats=(16, 16), few_rows=0),
+            "many_units_a_block": dict(ROWS, forward_blocks_per_sm=1, backward_blocks_per_sm=1),
+            "wide_passes": dict(ROWS, pass_floats=(64, 64), min_blocks=(2, 2))}
 
 
 @pytest.mark.parametrize("scope", SCOPES)
@@ -385,6 +387,68 @@ def test_launch_policies_agree(rng, monkeypatch, name, scope):
     rope_kw = {**tables(rng, 128, 3000), "interleaved": True}
     check_forward(rng, q, k, scope, VARIANTS[3], rope_kw, dtype, modes=("out",))
     check_backward(rng, q, k, scope, VARIANTS[0], rope_kw, dtype, repeats=2)
+
+
+FLAT_CASES = {f"{dtype}-d{d}-{v!r}": (dtype, d, v)
+              for dtype, dims in (("float32", (64, 128)), ("float16", (64, 256)),
+                                  ("bfloat16", (64, 128, 256)))
+              for d in dims
+              for v in (VARIANTS[0], VARIANTS[3], Variant("1+w", "after_weight", False, 1.0),
+                        Variant("none", "before_weight", True, 1.0))}
+
+
+@pytest.mark.parametrize("case", FLAT_CASES.values(), ids=FLAT_CASES.keys())
+def test_flat_kernel_gives_the_rows_kernels_bits(rng, monkeypatch, case):
+    """A dense per-head forward runs norm_flat_kernel; it matches float64 and
+    gives norm_rope_kernel's bits (policy kernels ("rows",)), so the KV-cache
+    op's norm path, which keeps norm_rope_kernel's layout, agrees with it."""
+    from cupy_rope import norm_launch
+
+    dtype, d, variant = case
+    nkw = norm_kw("head", variant)
+    wq, wk = weights(rng, d, d, dtype, variant.weight_mode)
+    rows_a_thread = set()
+    # heads that let a thread hold several rows at one position, heads that
+    # do not, and one token a sequence (every row at position 0 + offset)
+    for (b, s, hq, hk) in ((2, 300, 16, 8), (2, 300, 5, 3), (3, 1, 5, 3)):
+        q, k = randn(rng, (b, s, hq, d), dtype), randn(rng, (b, s, hk, d), dtype)
+        rope_kw = {**tables(rng, d, 300), "interleaved": variant.interleaved}
+        if s == 1:
+            rope_kw["offsets"] = 7
+        want = expected_forward(q, k, wq, wk, nkw, rope_kw)
+        got = {}
+        for kernels in (("flat", "rows"), ("rows",)):
+            monkeypatch.setattr(norm_launch, "POLICY", norm_launch.NormPolicy(kernels=kernels))
+            monkeypatch.setattr(norm_launch, "_plans", {})
+            got[kernels] = run_forward(q, k, wq, wk, nkw, rope_kw, "out", dtype)
+            specs = [p.spec for p in norm_launch._plans.values()]
+            flat = "flat" in kernels
+            assert [type(p) for p in specs] == [
+                norm_launch.NormFlatSpec if flat else norm_launch.NormSpec]
+            rows_a_thread |= {specs[0].rows} if flat else set()
+            for g, w, name in zip(got[kernels], want, ("q", "k")):
+                assert_close(g, w, dtype, f"{name} {kernels} {hq}/{hk} heads, s {s}")
+        for flat, rows in zip(*got.values()):
+            assert np.array_equal(bits(flat), bits(rows))
+    assert len(rows_a_thread) > 1 and 1 in rows_a_thread
+
+
+@pytest.mark.parametrize("case", FLAT_CASES.values(), ids=FLAT_CASES.keys())
+def test_flat_token_kernel_matches_float64(rng, monkeypatch, case):
+    """Scope "token" on dense rows with as many heads in q as in k runs
+    norm_flat_token_kernel (several tokens a block, a token over several
+    warps): against float64, in place and out of place."""
+    from cupy_rope import norm_launch
+
+    dtype, d, variant = case
+    monkeypatch.setattr(norm_launch, "_plans", {})
+    for (b, s, h) in ((2, 150, 8), (3, 1, 16), (1, 40, 40)):
+        q, k = randn(rng, (b, s, h, d), dtype), randn(rng, (b, s, h, d), dtype)
+        rope_kw = {**tables(rng, d, 160), "interleaved": variant.interleaved, "offsets": 5}
+        check_forward(rng, q, k, "token", variant, rope_kw, dtype, modes=("out", "inplace"))
+    specs = {p.spec for p in norm_launch._plans.values()}
+    assert specs and all(isinstance(p, norm_launch.NormFlatSpec) and p.scope == "token"
+                         for p in specs)
 
 
 @pytest.mark.parametrize("scope", SCOPES)

@@ -1,0 +1,291 @@
+// The forward of apply_qk_norm_rope over dense head rows, walked as
+// flat_kernel walks them (kernels/flat.cu): one 16-byte packet per thread
+// and row, a row's packets on adjacent lanes of one warp, the NeoX partner
+// from another lane. A thread holds U rows at one position (their angles
+// read once); a row's sum of squares is taken across the lanes that hold
+// it (scope "head") or across the warps that hold a token (scope "token").
+// Nothing else is held, so an SM holds many threads, each with U packets in
+// flight. cupy_rope/norm_launch.py picks these kernels where they apply
+// (full rotary, rows of a power-of-two number of packets within a warp,
+// flat_geometry's layouts); norm_rope_kernel (kernels/norm_rope.cu) runs
+// every other call.
+//
+// Scope "head" gives norm_rope_kernel's bits: its item of PAIRS = VEC pairs
+// is this kernel's packet (GPT-J) or the packet and its NeoX partner's, and
+// a row's sum of squares runs in the same order: the item's values (NeoX:
+// the first half's, then the second half's), then the butterfly over the
+// lanes of the row's items (lane_sum). Scope "token" sums in an order of
+// its own (the same on every run).
+#include "flat_rows.cuh"
+#include "norm_items.cuh"
+
+namespace rope {
+
+// FlatParams, then the norm's part (as NormParams ends).
+struct NormFlatParams : FlatParams {
+  NormSlab norm[MAX_SLABS];
+  float eps;
+  float pad2_;
+};
+
+// The layout of one head row's packets on a warp's lanes.
+template <typename T, int HEAD_DIM, bool INTERLEAVED>
+struct FlatRow {
+  static constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per packet
+  static constexpr int PACKETS = HEAD_DIM / VEC;               // a head row's packets
+  static constexpr int HALF = PACKETS / 2;                     // NeoX: partner distance
+  static constexpr int PASS_ROWS = 32 / PACKETS;               // rows of one warp pass
+  // Lanes over a row's items: norm_rope_kernel's LANES for this layout.
+  static constexpr int ITEM_LANES = INTERLEAVED ? PACKETS : HALF;
+  static constexpr int FREQS = INTERLEAVED ? VEC / 2 : VEC;  // angles of a packet
+  static_assert(HEAD_DIM % VEC == 0 && PACKETS >= 2 && PACKETS <= 32 &&
+                    (PACKETS & (PACKETS - 1)) == 0,
+                "a head row is a power-of-two number of packets within one warp");
+};
+
+constexpr unsigned FULL_WARP = 0xffffffffu;
+
+// sum + the squares of v, in order (an item's chain of norm_rope_kernel).
+template <int N>
+__device__ __forceinline__ float squares(const float (&v)[N], float sum) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) sum = fmaf(v[e], v[e], sum);
+  return sum;
+}
+
+// The sum of squares of this lane's item: NeoX, the second-half lane
+// continues its partner's chain over the first half, and both take it.
+template <class R, bool INTERLEAVED, typename T>
+__device__ __forceinline__ float item_squares(const Packet<T, R::VEC>& raw, bool first_half,
+                                              int partner_lane) {
+  float v[R::VEC];
+  to_floats(raw, v);
+  float sum = squares(v, 0.f);
+  if constexpr (!INTERLEAVED) {
+    const float chain = squares(v, __shfl_sync(FULL_WARP, sum, partner_lane));
+    const float back = __shfl_sync(FULL_WARP, chain, partner_lane);
+    sum = first_half ? back : chain;
+  }
+  return sum;
+}
+
+// y = round(round(x_hat) * w') or round(x_hat * w') in x's storage type,
+// rotated (as norm_rope_kernel: rotated_first / rotated_second of
+// kernels/angles.cuh, this lane's value first), into out (a live row).
+template <class R, bool INTERLEAVED, bool ROUND_BEFORE, typename T>
+__device__ __forceinline__ void normalize_rotate_store(const Packet<T, R::VEC>& raw, float rstd,
+                                                       const float (&wv)[R::VEC],
+                                                       const float (&c)[R::FREQS],
+                                                       const float (&s)[R::FREQS], bool inside,
+                                                       bool first_half, int partner_lane,
+                                                       T* out, bool live) {
+  float v[R::VEC];
+  to_floats(raw, v);
+  Packet<T, R::VEC> y;
+#pragma unroll
+  for (int e = 0; e < R::VEC; ++e) {
+    float x_hat = v[e] * rstd;
+    if constexpr (ROUND_BEFORE) x_hat = to_float(from_float<T>(x_hat));
+    y.v[e] = from_float<T>(x_hat * wv[e]);
+  }
+  to_floats(y, v);
+  if constexpr (INTERLEAVED) {
+    rotate_interleaved(v, c, s);
+  } else {
+    // The partner's y (the other half of the pair), from its lane.
+    unsigned w[4], pw[4];
+    memcpy(w, &y, 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pw[i] = __shfl_sync(FULL_WARP, w[i], partner_lane);
+    Packet<T, R::VEC> partner;
+    memcpy(&partner, pw, 16);
+    float b[R::VEC];
+    to_floats(partner, b);
+    const float signed_sin = first_half ? -1.f : 1.f;
+#pragma unroll
+    for (int i = 0; i < R::VEC; ++i) v[i] = fmaf(v[i], c[i], signed_sin * (b[i] * s[i]));
+  }
+  if (!inside) {
+#pragma unroll
+    for (int i = 0; i < R::VEC; ++i) v[i] = __int_as_float(0x7fffffff);
+  }
+  if (live) store<T, R::VEC>(out, 1, v);
+}
+
+// The angles of this lane's packet at the rows' position.
+template <class R, bool INTERLEAVED, typename AngleT>
+__device__ __forceinline__ void packet_angles(const FlatParams& p, i64 pos, int pk,
+                                              bool first_half, float (&c)[R::FREQS],
+                                              float (&s)[R::FREQS]) {
+  const int f0 = INTERLEAVED ? pk * R::FREQS : (first_half ? pk : pk - R::HALF) * R::VEC;
+  load_row<AngleT, R::FREQS, false>(p.cos, pos * p.cos_stride_row + f0, 1, c);
+  load_row<AngleT, R::FREQS, false>(p.sin, pos * p.sin_stride_row + f0, 1, s);
+}
+
+// This block's slab and its weight (compile-time indices, as flat_block).
+template <int SLABS, typename WT>
+__device__ __forceinline__ const WT* slab_weight(const NormFlatParams& p, int index) {
+  const WT* weight = nullptr;
+#pragma unroll
+  for (int i = 0; i < SLABS; ++i)
+    if (i == index) weight = static_cast<const WT*>(p.norm[i].weight);
+  return weight;
+}
+
+// Blocks per SM asked of the compiler (scope "head"): flat_kernel's for one
+// row a thread; a thread holding U rows needs more registers (as many as it
+// uses unbounded, rounded to a whole number of blocks).
+template <int U>
+__host__ __device__ constexpr int norm_flat_min_blocks() {
+  return U == 1 ? FLAT_MIN_BLOCKS : U == 2 ? FLAT_MIN_BLOCKS * 9 / 16 : FLAT_MIN_BLOCKS * 7 / 16;
+}
+
+// Scope "head". U: head rows per thread. A warp takes U passes of
+// PASS_ROWS adjacent rows (each pass one contiguous run of memory); the
+// launcher sets U > 1 only where all of them lie at one position (its
+// rows_per_step is a multiple of the warp's rows), so their angles and
+// weights are read once.
+template <typename T, typename AngleT, typename WT, int HEAD_DIM, bool INTERLEAVED, int SLABS,
+          int POS_MODE, int WEIGHT, bool ROUND_BEFORE, int U>
+__global__ void __launch_bounds__(FLAT_THREADS, norm_flat_min_blocks<U>())
+    norm_flat_kernel(const NormFlatParams p) {
+  using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
+  static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
+  static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
+  static_assert(U >= 1 && U <= 4, "rows per thread");
+  const FlatBlock blk = flat_block<SLABS>(p);
+  const FlatSlab& sl = blk.s;
+  const WT* weight = slab_weight<SLABS, WT>(p, blk.index);
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned begin = SLABS == 1 ? 0u : static_cast<unsigned>(sl.block_begin);
+  const unsigned warp = (blockIdx.x - begin) * (FLAT_THREADS / 32) + threadIdx.x / 32u;
+  const unsigned rows = static_cast<unsigned>(sl.rows);
+  if (warp * (R::PASS_ROWS * U) >= rows) return;  // the last block's spare warps (warp-uniform)
+  const unsigned row0 = warp * (R::PASS_ROWS * U) + lane / R::PACKETS;
+  const int pk = static_cast<int>(lane % R::PACKETS);
+
+  // Lanes past the last row load nothing but still take part in the shuffles.
+  Packet<T, R::VEC> raw[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const unsigned row = row0 + u * R::PASS_ROWS;
+    memset(&raw[u], 0, sizeof(raw[u]));
+    if (row < rows)
+      raw[u] = load_raw<T, R::VEC>(
+          static_cast<const T*>(blk.x) + static_cast<i64>(row) * HEAD_DIM + pk * R::VEC, 1);
+  }
+  Packet<WT, R::VEC> wraw{};
+  if (WEIGHT != WEIGHT_NONE) wraw = load_raw<WT, R::VEC>(weight + pk * R::VEC, 1);
+  const FlatPosition fp = flat_position<POS_MODE>(p, sl, row0, row0 < rows);
+  const bool first_half = INTERLEAVED || pk < R::HALF;
+  const int partner_lane = static_cast<int>(lane) + (first_half ? R::HALF : -R::HALF);
+
+  float rstd[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const float sum =
+        lane_sum<R::ITEM_LANES>(item_squares<R, INTERLEAVED>(raw[u], first_half, partner_lane),
+                                FULL_WARP);
+    rstd[u] = 1.f / sqrtf(sum / static_cast<float>(HEAD_DIM) + p.eps);
+    forget(raw[u]);  // converted again below rather than held as floats
+  }
+  // The angles, asked for once x is here (as flat_kernel's LATE_TABLES).
+  float c[R::FREQS], s[R::FREQS], wv[R::VEC];
+  packet_angles<R, INTERLEAVED, AngleT>(p, fp.pos, pk, first_half, c, s);
+  weight_values<WEIGHT>(wraw, false, wv);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const unsigned row = row0 + u * R::PASS_ROWS;
+    normalize_rotate_store<R, INTERLEAVED, ROUND_BEFORE>(
+        raw[u], rstd[u], wv, c, s, fp.inside, first_half, partner_lane,
+        static_cast<T*>(blk.out) + static_cast<i64>(row) * HEAD_DIM + pk * R::VEC, row < rows);
+  }
+}
+
+// Most threads of a scope-"token" block (its launch bounds).
+constexpr int NORM_FLAT_TOKEN_THREADS = 1024;
+
+// Scope "token": a token's HEADS rows are adjacent in memory (heads
+// innermost) and held by TOKEN_WARPS = HEADS / (PASS_ROWS * U) warps of the
+// block, warp w taking heads (w * U + u) * PASS_ROWS + (lane / PACKETS); a
+// block holds blockDim.x / (32 * TOKEN_WARPS) tokens. A token's sum: each
+// lane's item sums over its U rows, the butterfly over the warp, then the
+// token's warp sums in warp order, through shared memory.
+template <typename T, typename AngleT, typename WT, int HEAD_DIM, bool INTERLEAVED, int SLABS,
+          int POS_MODE, int WEIGHT, bool ROUND_BEFORE, int U, int HEADS>
+__global__ void __launch_bounds__(NORM_FLAT_TOKEN_THREADS)
+    norm_flat_token_kernel(const NormFlatParams p) {
+  using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
+  constexpr int TOKEN_WARPS = HEADS / (R::PASS_ROWS * U);
+  static_assert(HEADS % (R::PASS_ROWS * U) == 0, "a token fills whole warps");
+  static_assert(TOKEN_WARPS * 32 <= NORM_FLAT_TOKEN_THREADS, "a token within one block");
+  static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
+  static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
+  __shared__ float warp_sums[NORM_FLAT_TOKEN_THREADS / 32];
+  const FlatBlock blk = flat_block<SLABS>(p);
+  const FlatSlab& sl = blk.s;
+  const WT* weight = slab_weight<SLABS, WT>(p, blk.index);
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned begin = SLABS == 1 ? 0u : static_cast<unsigned>(sl.block_begin);
+  const unsigned block_warp = threadIdx.x / 32u;
+  const unsigned token_warp = block_warp % TOKEN_WARPS;
+  const unsigned tokens_a_block = blockDim.x / (32 * TOKEN_WARPS);
+  const unsigned token = (blockIdx.x - begin) * tokens_a_block + block_warp / TOKEN_WARPS;
+  const unsigned rows = static_cast<unsigned>(sl.rows);
+  const bool live = token * HEADS < rows;  // every thread reaches the barrier
+  const int pk = static_cast<int>(lane % R::PACKETS);
+  const unsigned head0 = token_warp * (R::PASS_ROWS * U) + lane / R::PACKETS;
+  const unsigned row0 = token * HEADS + head0;
+
+  Packet<T, R::VEC> raw[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    memset(&raw[u], 0, sizeof(raw[u]));
+    if (live)
+      raw[u] = load_raw<T, R::VEC>(static_cast<const T*>(blk.x) +
+                                       static_cast<i64>(row0 + u * R::PASS_ROWS) * HEAD_DIM +
+                                       pk * R::VEC,
+                                   1);
+  }
+  const FlatPosition fp = flat_position<POS_MODE>(p, sl, row0, live);
+  const bool first_half = INTERLEAVED || pk < R::HALF;
+  const int partner_lane = static_cast<int>(lane) + (first_half ? R::HALF : -R::HALF);
+  float sum = 0.f;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    sum += item_squares<R, INTERLEAVED>(raw[u], first_half, partner_lane);
+    forget(raw[u]);
+  }
+  // Each item is counted by the lanes that share it (NeoX: both partners),
+  // so the warp's butterfly runs over the lanes of distinct items only:
+  // lane_sum over ITEM_LANES, then across the warp's PASS_ROWS rows.
+  sum = lane_sum<R::ITEM_LANES>(sum, FULL_WARP);
+#pragma unroll
+  for (int o = R::PACKETS; o < 32; o <<= 1) sum += __shfl_xor_sync(FULL_WARP, sum, o);
+  if (lane == 0) warp_sums[block_warp] = sum;
+  __syncthreads();
+  float token_sum = 0.f;
+  const unsigned first_warp = block_warp - token_warp;
+#pragma unroll
+  for (int w = 0; w < TOKEN_WARPS; ++w) token_sum += warp_sums[first_warp + w];
+  const float rstd = 1.f / sqrtf(token_sum / static_cast<float>(HEADS * HEAD_DIM) + p.eps);
+
+  float c[R::FREQS], s[R::FREQS];
+  packet_angles<R, INTERLEAVED, AngleT>(p, fp.pos, pk, first_half, c, s);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const unsigned head = head0 + u * R::PASS_ROWS;
+    Packet<WT, R::VEC> wraw{};
+    if (WEIGHT != WEIGHT_NONE)
+      wraw = load_raw<WT, R::VEC>(weight + static_cast<i64>(head) * HEAD_DIM + pk * R::VEC, 1);
+    float wv[R::VEC];
+    weight_values<WEIGHT>(wraw, false, wv);
+    normalize_rotate_store<R, INTERLEAVED, ROUND_BEFORE>(
+        raw[u], rstd, wv, c, s, fp.inside, first_half, partner_lane,
+        static_cast<T*>(blk.out) + static_cast<i64>(row0 + u * R::PASS_ROWS) * HEAD_DIM +
+            pk * R::VEC,
+        live);
+  }
+}
+
+}  // namespace rope
