@@ -43,9 +43,11 @@ from .validate import VARLEN, Call, NormOptions, head_view
 
 #: Threads per block (kernels/norm_rope.cu NORM_THREADS, its launch bounds).
 NORM_THREADS = 256
-#: Most threads of a norm_flat_token_kernel block (kernels/norm_flat.cu
-#: NORM_FLAT_TOKEN_THREADS, its launch bounds).
+#: Most threads of a norm_flat_token_kernel block, and of its backward's
+#: (kernels/norm_flat.cu NORM_FLAT_TOKEN_THREADS and
+#: NORM_FLAT_TOKEN_BACKWARD_THREADS, their launch bounds).
 FLAT_TOKEN_THREADS = 1024
+FLAT_TOKEN_BACKWARD_THREADS = 512
 #: weight_grad_reduce's block: REDUCE_COLS channels x REDUCE_ROWS partial sums.
 REDUCE_COLS, REDUCE_ROWS = 32, 32
 SCOPES = {"head": 0, "token": 1}
@@ -83,6 +85,11 @@ class NormPolicy:
     flat_rows: int = 4
     #: norm_flat_token_kernel: threads a block holds at most (whole tokens).
     flat_token_threads: int = 256
+    #: The flat backward kernels: head rows a thread holds per step (as
+    #: flat_rows), and threads per SM of the blocks that walk the rows (each
+    #: block writes one partial row of weight-gradient sums).
+    flat_backward_rows: int = 2
+    flat_backward_threads_per_sm: int = 512
 
 
 #: The policy in force (tools replace it, then clear ``_plans``).
@@ -149,18 +156,20 @@ class NormFlatSpec:
     rows: int = 1  # head rows a thread holds, all at one position (kernel U)
     scope: str = "head"
     heads: int = 0  # scope "token": every slab's heads (kernel HEADS)
+    backward: bool = False
+    weight_grad: bool = False
 
     source_file = "norm_flat.cu"
-    backward = False
 
     def name_expression(self) -> str:
         b = lambda v: "true" if v else "false"  # noqa: E731
-        kernel = "norm_flat_token_kernel" if self.scope == "token" else "norm_flat_kernel"
+        kernel = ("norm_flat" + ("_token" if self.scope == "token" else "")
+                  + ("_backward" if self.backward else "") + "_kernel")
         return f"rope::{kernel}<" + ", ".join([
             CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], CXX_TYPES[self.weight_dtype],
             str(self.head_dim), b(self.interleaved), str(self.slabs),
             str(POS_MODES[self.pos_mode]), str(WEIGHT_MODES[self.weight_mode]),
-            b(self.round_before), str(self.rows)]
+            b(self.weight_grad if self.backward else self.round_before), str(self.rows)]
             + ([str(self.heads)] if self.scope == "token" else [])) + ">"
 
 
@@ -221,8 +230,8 @@ def choose_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
     ``inputs``: the backward's forward inputs (q, k). Raises ValueError
     where a token's heads do not fit one block (scope "token").
     """
-    if not backward and "flat" in POLICY.kernels:
-        flat = _flat_spec(call, norm, weights)
+    if "flat" in POLICY.kernels:
+        flat = _flat_spec(call, norm, weights, backward, weight_grad, inputs)
         if flat is not None:
             return flat
     w = _widths(call, inputs)
@@ -256,14 +265,16 @@ def choose_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
         weight_grad and weights is not None, POLICY.min_blocks[backward])
 
 
-def _flat_spec(call: Call, norm: NormOptions, weights) -> Optional[NormFlatSpec]:
+def _flat_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
+               weight_grad: bool = False, inputs=None) -> Optional[NormFlatSpec]:
     """The flat kernels' spec for a forward ``call``, or None where they do
     not apply. Both need full rotary on flat_kernel's layouts
     (:func:`cupy_rope.launch.flat_geometry`), head rows of 2 to 32 aligned
     16-byte packets (a power of two: scope "head" then sums a row's lanes
     in norm_rope_kernel's order, so both kernels give the same bits) and
     weights aligned for packets. Scope "token" also needs every slab's
-    heads innermost in memory, and as many heads in each slab."""
+    heads innermost in memory, and as many heads in each slab; the backward
+    forward inputs with the gradients' strides."""
     d = call.head_dim
     vec = launch.MAX_VECTOR_BYTES // launch.ITEMSIZE[call.dtype]
     packets = d // vec
@@ -271,7 +282,10 @@ def _flat_spec(call: Call, norm: NormOptions, weights) -> Optional[NormFlatSpec]
     if (call.rotary_dim != d or d % vec or not 2 <= packets <= 32 or packets & (packets - 1)
             or geometry is None):
         return None
-    w = _widths(call, None)
+    if backward and any(st != s.x_strides
+                        for s, (_, _, st) in zip(call.slabs, _input_views(call, inputs))):
+        return None
+    w = _widths(call, inputs if backward else None)
     if w.strided or w.table_strided or w.pairs * (2 if call.interleaved else 1) != vec:
         return None
     weights = _weights(weights) if norm.weight_mode != "none" else None
@@ -281,15 +295,18 @@ def _flat_spec(call: Call, norm: NormOptions, weights) -> Optional[NormFlatSpec]
     spec = NormFlatSpec(call.dtype, call.tables[0].dtype, _weight_dtype(weights) or "float32",
                         d, call.interleaved, len(call.slabs), call.pos_mode, norm.weight_mode,
                         norm.rounding == "before_weight")
+    spec = dataclasses.replace(spec, round_before=spec.round_before and not backward,
+                               backward=backward, weight_grad=weight_grad and weights is not None)
+    most_rows = POLICY.flat_backward_rows if backward else POLICY.flat_rows
     if norm.scope == "token":
         heads = call.slabs[0].heads
         if any(s.heads != heads or (heads > 1 and s.x_strides[3] != d) for s in call.slabs):
             return None
-        rows = next((u for u in (4, 2, 1) if u <= POLICY.flat_rows
-                     and heads % (pass_rows * u) == 0
-                     and heads // (pass_rows * u) * 32 <= FLAT_TOKEN_THREADS), 0)
+        most_threads = FLAT_TOKEN_BACKWARD_THREADS if backward else FLAT_TOKEN_THREADS
+        rows = next((u for u in (4, 2, 1) if u <= most_rows and heads % (pass_rows * u) == 0
+                     and heads // (pass_rows * u) * 32 <= most_threads), 0)
         return dataclasses.replace(spec, rows=rows, scope="token", heads=heads) if rows else None
-    rows = POLICY.flat_rows
+    rows = most_rows
     while rows > 1 and any(step % (pass_rows * rows) for _, step, _ in geometry):
         rows //= 2
     return dataclasses.replace(spec, rows=rows)
@@ -368,12 +385,25 @@ def _token_scope_layout(spec: NormSpec, slab_heads, tokens: int):
     return (spec.lanes, by, bz), layout
 
 
-def _flat_shape(call: Call, spec: NormFlatSpec) -> _Shape:
+def _flat_shape(call: Call, spec: NormFlatSpec, sm_count: int) -> _Shape:
     """The flat kernels' grid: per slab, as many warps as its rows over the
     rows a thread holds (scope "head"), or whole tokens a block (scope
-    "token"); units: the slab's rows."""
+    "token"), or for the backward blocks of at most
+    flat_backward_threads_per_sm threads an SM, which walk the rows (scope
+    "token": a block holds one token); units: the slab's rows."""
     rows = [r for r, _, _ in launch.flat_geometry(call)]
     packets = spec.head_dim * launch.ITEMSIZE[spec.dtype] // launch.MAX_VECTOR_BYTES
+    if spec.backward:
+        if spec.scope == "token":  # a block: one token's warps
+            threads = spec.heads * packets // spec.rows
+            steps = [r // spec.heads for r in rows]
+        else:  # a block: FLAT_THREADS threads, U rows each per step
+            threads = launch.FLAT_THREADS
+            steps = [-(-r // (32 // packets * spec.rows * threads // 32)) for r in rows]
+        most = max(1, POLICY.flat_backward_threads_per_sm // threads) * sm_count
+        blocks = [min(n, most) for n in steps]
+        slab_blocks = [(sum(blocks[:i]), 0, 0, 0) for i in range(len(blocks))]
+        return _Shape((sum(blocks), 1, 1), (threads, 1, 1), slab_blocks, rows, blocks)
     if spec.scope == "head":
         grid, block, slab_blocks = launch.flat_shape(packets, True,
                                                      [-(-r // spec.rows) for r in rows])
@@ -394,7 +424,7 @@ def launch_shape(call: Call, spec: NormSpec, sm_count: int) -> _Shape:
     """Grid, block and per-slab layout of ``spec`` running ``call``."""
     heads = tuple(s.heads for s in call.slabs)
     if isinstance(spec, NormFlatSpec):
-        return _flat_shape(call, spec)
+        return _flat_shape(call, spec, sm_count)
     if spec.scope == "token":
         block, layout = _token_scope_layout(spec, heads, call.tokens)
     else:
@@ -874,8 +904,8 @@ def shipped_specs() -> list:
     """The specializations the CPU compile test builds: dtype x head_dim
     {64, 80, 128, 256} x full / half rotary x NeoX / GPT-J x scope x
     (weight w rounded before, 1 + w rounded after, no weight), forward for
-    decode-sized and large calls (scope "token" also with as many k heads
-    as q heads), backward with and without weight gradients; plus each
+    decode-sized and large calls, backward with and without weight
+    gradients (scope "token" also with as many k heads as q heads); plus each
     position rule and computed angles for head_dim 128. (In place and out
     of place share their kernels.)"""
     import itertools
@@ -902,7 +932,11 @@ def shipped_specs() -> list:
             if scope == "token" and pos_mode == "implied":  # q and k of 8 heads: flat too
                 even = _shipped_call(tensor, dtype, d, r, interleaved, False, pos_mode, source,
                                      LARGE_TOKENS, (8, 8))
-                specs.add(choose_spec(even, norm, (tensor((8 * d,), dtype),) * 2))
+                even_w = (tensor((8 * d,), dtype),) * 2
+                specs.add(choose_spec(even, norm, even_w))
+                for wgrad in (False, True):
+                    specs.add(choose_spec(even, norm, even_w, True, wgrad,
+                                          [s.x for s in even.slabs]))
             inputs = [s.x for s in call.slabs]
             for wgrad in (False, True):
                 specs.add(choose_spec(call, norm, weights, True, wgrad, inputs))

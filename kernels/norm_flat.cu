@@ -202,6 +202,147 @@ __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_min_blocks<U>())
   }
 }
 
+// Blocks per SM asked of the compiler for the backward (its thread holds
+// dy, x and its channels' weight-gradient sums): as many as its registers
+// allow unbounded.
+template <int U>
+__host__ __device__ constexpr int norm_flat_backward_min_blocks() {
+  return U == 1 ? FLAT_MIN_BLOCKS * 6 / 16 : FLAT_MIN_BLOCKS * 5 / 16;
+}
+
+// Scope "head", backward: dx from the output gradient dy (the call's x)
+// and the forward input x (NormSlab::input_data, with dy's strides), and
+// with WGRAD the block's weight-gradient partial sums (one row of HEAD_DIM
+// floats a block, reduced by weight_grad_reduce). Per row, as
+// norm_rope_kernel: g = rotate(dy, -theta), dn = g * w', rstd from sum x^2,
+// dx = rstd * (dn - x_hat * rstd * mean(dn * x)), dw += g * x_hat.
+// NormSlab::blocks blocks walk a slab's groups of PASS_ROWS * U rows in a
+// fixed order, each thread keeping its channels' sums, so the partial rows
+// (and the weight gradients) are the same bits on every run.
+template <typename T, typename AngleT, typename WT, int HEAD_DIM, bool INTERLEAVED, int SLABS,
+          int POS_MODE, int WEIGHT, bool WGRAD, int U>
+__global__ void __launch_bounds__(FLAT_THREADS, norm_flat_backward_min_blocks<U>())
+    norm_flat_backward_kernel(const NormFlatParams p) {
+  using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
+  static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
+  static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
+  static_assert(U == 1 || U == 2, "rows per thread");
+  constexpr int GROUP = R::PASS_ROWS * U;  // rows of a warp's group
+  const FlatBlock blk = flat_block<SLABS>(p);
+  const FlatSlab& sl = blk.s;
+  NormSlab ns = p.norm[0];
+#pragma unroll
+  for (int i = 1; i < SLABS; ++i)
+    if (i == blk.index) ns = p.norm[i];
+  const WT* weight = static_cast<const WT*>(ns.weight);
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned begin = SLABS == 1 ? 0u : static_cast<unsigned>(sl.block_begin);
+  const unsigned warps = static_cast<unsigned>(ns.blocks) * (FLAT_THREADS / 32);
+  const unsigned rows = static_cast<unsigned>(sl.rows);
+  const int pk = static_cast<int>(lane % R::PACKETS);
+  const bool first_half = INTERLEAVED || pk < R::HALF;
+  const int partner_lane = static_cast<int>(lane) + (first_half ? R::HALF : -R::HALF);
+  Packet<WT, R::VEC> wraw{};
+  if (WEIGHT != WEIGHT_NONE) wraw = load_raw<WT, R::VEC>(weight + pk * R::VEC, 1);
+  float dw[R::VEC];
+#pragma unroll
+  for (int e = 0; e < R::VEC; ++e) dw[e] = 0.f;
+  const float sign = p.sin_sign;  // -1: the rotation by -theta
+
+  for (unsigned group = (blockIdx.x - begin) * (FLAT_THREADS / 32) + threadIdx.x / 32u;
+       group * GROUP < rows; group += warps) {  // warp-uniform
+    const unsigned row0 = group * GROUP + lane / R::PACKETS;
+    Packet<T, R::VEC> dy[U], x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const unsigned row = row0 + u * R::PASS_ROWS;
+      const i64 at = static_cast<i64>(row) * HEAD_DIM + pk * R::VEC;
+      memset(&dy[u], 0, sizeof(dy[u]));
+      memset(&x[u], 0, sizeof(x[u]));
+      if (row < rows) {
+        dy[u] = load_raw<T, R::VEC>(static_cast<const T*>(blk.x) + at, 1);
+        x[u] = load_raw<T, R::VEC>(static_cast<const T*>(ns.input_data) + at, 1);
+      }
+    }
+    const FlatPosition fp = flat_position<POS_MODE>(p, sl, row0, row0 < rows);
+    float c[R::FREQS], s[R::FREQS], wv[R::VEC];
+    packet_angles<R, INTERLEAVED, AngleT>(p, fp.pos, pk, first_half, c, s);
+    weight_values<WEIGHT>(wraw, false, wv);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const unsigned row = row0 + u * R::PASS_ROWS;
+      // g = dy rotated by -theta (NaN outside the table, as the forward).
+      float g[R::VEC], xf[R::VEC];
+      to_floats(dy[u], g);
+      if constexpr (INTERLEAVED) {
+#pragma unroll
+        for (int i = 0; i < R::FREQS; ++i) {
+          const float a = g[2 * i], b = g[2 * i + 1];
+          g[2 * i] = fmaf(a, c[i], -sign * (b * s[i]));
+          g[2 * i + 1] = fmaf(b, c[i], sign * (a * s[i]));
+        }
+      } else {
+        unsigned w[4], pw[4];
+        memcpy(w, &dy[u], 16);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pw[i] = __shfl_sync(FULL_WARP, w[i], partner_lane);
+        Packet<T, R::VEC> partner;
+        memcpy(&partner, pw, 16);
+        float b[R::VEC];
+        to_floats(partner, b);
+        const float signed_sin = first_half ? -sign : sign;
+#pragma unroll
+        for (int i = 0; i < R::VEC; ++i) g[i] = fmaf(g[i], c[i], signed_sin * (b[i] * s[i]));
+      }
+      if (!fp.inside) {
+#pragma unroll
+        for (int i = 0; i < R::VEC; ++i) g[i] = __int_as_float(0x7fffffff);
+      }
+      to_floats(x[u], xf);
+      float sq = 0.f, dot = 0.f;  // this lane's part of sum x^2 and sum dn * x
+#pragma unroll
+      for (int e = 0; e < R::VEC; ++e) {
+        sq = fmaf(xf[e], xf[e], sq);
+        dot = fmaf(g[e] * wv[e], xf[e], dot);
+      }
+      sq = lane_sum<R::PACKETS>(sq, FULL_WARP);
+      dot = lane_sum<R::PACKETS>(dot, FULL_WARP);
+      const float rstd = 1.f / sqrtf(sq / static_cast<float>(HEAD_DIM) + p.eps);
+      const float mdot = rstd * (dot / static_cast<float>(HEAD_DIM));  // mean(dn * x_hat)
+      const bool live = row < rows;
+      float dx[R::VEC];
+#pragma unroll
+      for (int e = 0; e < R::VEC; ++e) {
+        const float x_hat = xf[e] * rstd;
+        dx[e] = rstd * fmaf(-x_hat, mdot, g[e] * wv[e]);
+        if (WGRAD && live) dw[e] = fmaf(g[e], x_hat, dw[e]);
+      }
+      if (live)
+        store<T, R::VEC>(static_cast<T*>(blk.out) + static_cast<i64>(row) * HEAD_DIM +
+                             pk * R::VEC,
+                         1, dx);
+    }
+  }
+  if constexpr (WGRAD) {
+    // The block's sums per channel: the threads holding the same channels
+    // (equal lane % PACKETS), added in thread order by one thread each.
+    __shared__ float sums[R::VEC][FLAT_THREADS];
+#pragma unroll
+    for (int e = 0; e < R::VEC; ++e) sums[e][threadIdx.x] = dw[e];
+    __syncthreads();
+    if (threadIdx.x < R::PACKETS) {
+      float* partial = ns.weight_partial + static_cast<i64>(blockIdx.x - begin) * HEAD_DIM +
+                       pk * R::VEC;
+#pragma unroll
+      for (int e = 0; e < R::VEC; ++e) {
+        float t = 0.f;
+        for (int j = threadIdx.x; j < FLAT_THREADS; j += R::PACKETS) t += sums[e][j];
+        partial[e] = t;
+      }
+    }
+  }
+}
+
 // Most threads of a scope-"token" block (its launch bounds).
 constexpr int NORM_FLAT_TOKEN_THREADS = 1024;
 
@@ -285,6 +426,143 @@ __global__ void __launch_bounds__(NORM_FLAT_TOKEN_THREADS)
         static_cast<T*>(blk.out) + static_cast<i64>(row0 + u * R::PASS_ROWS) * HEAD_DIM +
             pk * R::VEC,
         live);
+  }
+}
+
+// Most threads of a scope-"token" backward block (its launch bounds: a
+// thread holds dy, x, g and its channels' weight-gradient sums).
+constexpr int NORM_FLAT_TOKEN_BACKWARD_THREADS = 512;
+
+// Scope "token", backward: as norm_flat_backward_kernel, with a token's
+// HEADS rows held as norm_flat_token_kernel holds them (a block is one
+// token's TOKEN_WARPS warps) and its two sums (x^2 and dn * x) taken over
+// the warp, then the token's warp sums in warp order. NormSlab::blocks
+// blocks walk the slab's tokens in a fixed order; a thread's channels are
+// the same for every token, so it keeps their weight-gradient sums and
+// writes them into the block's partial row at the end.
+template <typename T, typename AngleT, typename WT, int HEAD_DIM, bool INTERLEAVED, int SLABS,
+          int POS_MODE, int WEIGHT, bool WGRAD, int U, int HEADS>
+__global__ void __launch_bounds__(NORM_FLAT_TOKEN_BACKWARD_THREADS)
+    norm_flat_token_backward_kernel(const NormFlatParams p) {
+  using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
+  constexpr int TOKEN_WARPS = HEADS / (R::PASS_ROWS * U);
+  static_assert(HEADS % (R::PASS_ROWS * U) == 0, "a token fills whole warps");
+  static_assert(TOKEN_WARPS * 32 <= NORM_FLAT_TOKEN_BACKWARD_THREADS, "a token within a block");
+  static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
+  static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
+  __shared__ float warp_sums[2][TOKEN_WARPS];
+  const FlatBlock blk = flat_block<SLABS>(p);
+  const FlatSlab& sl = blk.s;
+  NormSlab ns = p.norm[0];
+#pragma unroll
+  for (int i = 1; i < SLABS; ++i)
+    if (i == blk.index) ns = p.norm[i];
+  const WT* weight = static_cast<const WT*>(ns.weight);
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned begin = SLABS == 1 ? 0u : static_cast<unsigned>(sl.block_begin);
+  const unsigned token_warp = threadIdx.x / 32u;
+  const unsigned tokens = static_cast<unsigned>(sl.rows) / HEADS;
+  const int pk = static_cast<int>(lane % R::PACKETS);
+  const unsigned head0 = token_warp * (R::PASS_ROWS * U) + lane / R::PACKETS;
+  const bool first_half = INTERLEAVED || pk < R::HALF;
+  const int partner_lane = static_cast<int>(lane) + (first_half ? R::HALF : -R::HALF);
+  const float sign = p.sin_sign;  // -1: the rotation by -theta
+  float dw[U][R::VEC];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int e = 0; e < R::VEC; ++e) dw[u][e] = 0.f;
+
+  for (unsigned token = blockIdx.x - begin; token < tokens;
+       token += static_cast<unsigned>(ns.blocks)) {  // block-uniform
+    const unsigned row0 = token * HEADS + head0;
+    Packet<T, R::VEC> dy[U], x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 at = static_cast<i64>(row0 + u * R::PASS_ROWS) * HEAD_DIM + pk * R::VEC;
+      dy[u] = load_raw<T, R::VEC>(static_cast<const T*>(blk.x) + at, 1);
+      x[u] = load_raw<T, R::VEC>(static_cast<const T*>(ns.input_data) + at, 1);
+    }
+    const FlatPosition fp = flat_position<POS_MODE>(p, sl, row0, true);
+    float c[R::FREQS], s[R::FREQS];
+    packet_angles<R, INTERLEAVED, AngleT>(p, fp.pos, pk, first_half, c, s);
+    float g[U][R::VEC], wv[U][R::VEC];
+    float sq = 0.f, dot = 0.f;  // this thread's part of sum x^2 and sum dn * x
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      Packet<WT, R::VEC> wraw{};
+      if (WEIGHT != WEIGHT_NONE)
+        wraw = load_raw<WT, R::VEC>(
+            weight + static_cast<i64>(head0 + u * R::PASS_ROWS) * HEAD_DIM + pk * R::VEC, 1);
+      weight_values<WEIGHT>(wraw, false, wv[u]);
+      to_floats(dy[u], g[u]);
+      if constexpr (INTERLEAVED) {
+#pragma unroll
+        for (int i = 0; i < R::FREQS; ++i) {
+          const float a = g[u][2 * i], b = g[u][2 * i + 1];
+          g[u][2 * i] = fmaf(a, c[i], -sign * (b * s[i]));
+          g[u][2 * i + 1] = fmaf(b, c[i], sign * (a * s[i]));
+        }
+      } else {
+        unsigned w[4], pw[4];
+        memcpy(w, &dy[u], 16);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pw[i] = __shfl_sync(FULL_WARP, w[i], partner_lane);
+        Packet<T, R::VEC> partner;
+        memcpy(&partner, pw, 16);
+        float b[R::VEC];
+        to_floats(partner, b);
+        const float signed_sin = first_half ? -sign : sign;
+#pragma unroll
+        for (int i = 0; i < R::VEC; ++i) g[u][i] = fmaf(g[u][i], c[i], signed_sin * (b[i] * s[i]));
+      }
+      if (!fp.inside) {
+#pragma unroll
+        for (int i = 0; i < R::VEC; ++i) g[u][i] = __int_as_float(0x7fffffff);
+      }
+      float xf[R::VEC];
+      to_floats(x[u], xf);
+#pragma unroll
+      for (int e = 0; e < R::VEC; ++e) {
+        sq = fmaf(xf[e], xf[e], sq);
+        dot = fmaf(g[u][e] * wv[u][e], xf[e], dot);
+      }
+    }
+    sq = lane_sum<32>(sq, FULL_WARP);
+    dot = lane_sum<32>(dot, FULL_WARP);
+    if (lane == 0) warp_sums[0][token_warp] = sq, warp_sums[1][token_warp] = dot;
+    __syncthreads();
+    float t_sq = 0.f, t_dot = 0.f;
+#pragma unroll
+    for (int w = 0; w < TOKEN_WARPS; ++w) t_sq += warp_sums[0][w], t_dot += warp_sums[1][w];
+    __syncthreads();  // read before the next token's sums are written
+    constexpr float N_ROW = static_cast<float>(HEADS * HEAD_DIM);
+    const float rstd = 1.f / sqrtf(t_sq / N_ROW + p.eps);
+    const float mdot = rstd * (t_dot / N_ROW);  // mean(dn * x_hat)
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float xf[R::VEC], dx[R::VEC];
+      to_floats(x[u], xf);
+#pragma unroll
+      for (int e = 0; e < R::VEC; ++e) {
+        const float x_hat = xf[e] * rstd;
+        dx[e] = rstd * fmaf(-x_hat, mdot, g[u][e] * wv[u][e]);
+        if constexpr (WGRAD) dw[u][e] = fmaf(g[u][e], x_hat, dw[u][e]);
+      }
+      store<T, R::VEC>(static_cast<T*>(blk.out) +
+                           static_cast<i64>(row0 + u * R::PASS_ROWS) * HEAD_DIM + pk * R::VEC,
+                       1, dx);
+    }
+  }
+  if constexpr (WGRAD) {
+    // Every channel of the token belongs to one thread of the block.
+    float* partial = ns.weight_partial + static_cast<i64>(blockIdx.x - begin) * HEADS * HEAD_DIM;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int e = 0; e < R::VEC; ++e)
+        partial[static_cast<i64>(head0 + u * R::PASS_ROWS) * HEAD_DIM + pk * R::VEC + e] =
+            dw[u][e];
   }
 }
 

@@ -802,9 +802,9 @@ def test_host_overhead_rounds_on_gpu(monkeypatch):
             runs = host[f"{name}_us_per_call_runs"]
             assert len(runs) == 3 and min(runs) > 0, (name, runs)
             assert host[f"{name}_us_per_call"] == sorted(runs)[1]
-        # the bound call does what the bare launch does and more
-        assert host[f"{fw}_launch_us_per_call"] < host[f"{fw}_bound_us_per_call"]
-        assert 0 < host[f"{fw}_python_us_per_call"] < host[f"{fw}_bound_us_per_call"]
+        # Python's part: the median of the rounds' differences (timings are
+        # not ordered here: under a loaded host one bare-launch pass can
+        # outlast a whole bound pass)
         diffs = sorted(b - c for b, c in zip(host[f"{fw}_bound_us_per_call_runs"],
                                              host[f"{fw}_launch_us_per_call_runs"]))
         assert host[f"{fw}_python_us_per_call"] == diffs[1]

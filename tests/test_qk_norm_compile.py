@@ -37,6 +37,8 @@ def test_every_shipped_norm_specialization_compiles_for_sm90():
         (i, m, r) for i in (False, True) for m, r in (("w", True), ("1+w", False), ("none", True))}
     assert {s.head_dim for s in flat} == {64, 128, 256}  # d80: rows of 10 packets stay on rows
     assert {s.scope for s in flat} == {"head", "token"} and {s.rows for s in flat} >= {1, 2, 4}
+    assert {(s.scope, s.backward, s.weight_grad) for s in flat} >= {
+        (scope, True, wgrad) for scope in ("head", "token") for wgrad in (False, True)}
     chunks = [(specs[i:i + CHUNK], "sm_90") for i in range(0, len(specs), CHUNK)]
     workers = min(len(chunks), os.cpu_count() or 1)
     lowered = {}
@@ -44,9 +46,9 @@ def test_every_shipped_norm_specialization_compiles_for_sm90():
         for result in pool.map(_compile_chunk, chunks):
             lowered.update(result)
     assert set(lowered) == {s.name_expression() for s in specs}
-    assert all(n.startswith(("_ZN4rope16norm_rope_kernel", "_ZN4rope16norm_flat_kernel",
-                             "_ZN4rope22norm_flat_token_kernel", "_ZN4rope18weight_grad_reduce"))
-               for n in lowered.values())
+    kernel = re.compile(r"_ZN4rope\d+(norm_rope|norm_flat(_token)?(_backward)?)_kernel|"
+                        r"_ZN4rope18weight_grad_reduce")
+    assert all(kernel.match(n) for n in lowered.values())
 
 
 def test_norm_params_struct_matches_the_header():
@@ -124,10 +126,11 @@ def test_packed_parameters_have_the_declared_size(monkeypatch, scope, backward):
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
-def test_dense_per_head_forward_runs_the_flat_kernel(monkeypatch, interleaved):
+def test_dense_per_head_calls_run_the_flat_kernels(monkeypatch, interleaved):
     """A per-head forward on dense rows plans norm_flat_kernel: flat_kernel's
     grid (every head row's packets on the lanes of whole warps) and
-    FlatParams' fields, then the norm's; the other calls keep norm_rope_kernel."""
+    FlatParams' fields, then the norm's; so do the token scope (as many q as
+    k heads) and the backward; the other calls keep norm_rope_kernel."""
     monkeypatch.setattr(launch, "_sm_count", lambda device_id: 132)
     monkeypatch.setattr(norm_launch, "_plans", {})
     tensor = launch._FakeArrays()
@@ -159,10 +162,22 @@ def test_dense_per_head_forward_runs_the_flat_kernel(monkeypatch, interleaved):
     spec = norm_launch.choose_spec(wide._replace(slabs=(wide.slabs[1],) * 2), token,
                                    [tensor((1024,), "bfloat16")] * 2)
     assert (spec.scope, spec.heads, spec.rows) == ("token", 8, 4)
-    # not flat: the backward, scope token with other k heads, partial rotary, head_dim 80
+    even_inputs = [wide.slabs[1].x] * 2
+    back = norm_launch.plan(wide._replace(slabs=(wide.slabs[1],) * 2),
+                            [tensor((1024,), "bfloat16")] * 2, token, True, True, even_inputs)
+    assert (back.spec.scope, back.spec.backward, back.spec.rows) == ("token", True, 2)
+    assert back.shape.block == (8 * 16 // 2, 1, 1)  # one token's warps a block
+    per_sm = norm_launch.POLICY.flat_backward_threads_per_sm // 64
+    assert back.shape.blocks[0] == min(1000, per_sm * 132)
+    # the backward too (scope head; its blocks walk the rows), not with other input strides
     inputs = [s.x for s in call.slabs]
-    assert isinstance(norm_launch.choose_spec(call, norm, weights, True, True, inputs),
+    back = norm_launch.plan(call, weights, norm, True, True, inputs)
+    assert back.spec.backward and back.spec.weight_grad and not back.spec.round_before
+    assert 0 < back.shape.blocks[0] <= norm_launch.POLICY.flat_backward_threads_per_sm // 128 * 132
+    strided = [t._replace(strides=(1024, 128, 1)) for t in inputs]
+    assert isinstance(norm_launch.choose_spec(call, norm, weights, True, True, strided),
                       norm_launch.NormSpec)
+    # not flat: scope token with other k heads, partial rotary, head_dim 80
     token_w = [tensor((512,), "bfloat16"), tensor((256,), "bfloat16")]
     assert isinstance(norm_launch.choose_spec(call, token, token_w), norm_launch.NormSpec)
     for d, r in ((128, 64), (80, 80)):

@@ -430,6 +430,12 @@ def test_flat_kernel_gives_the_rows_kernels_bits(rng, monkeypatch, case):
                 assert_close(g, w, dtype, f"{name} {kernels} {hq}/{hk} heads, s {s}")
         for flat, rows in zip(*got.values()):
             assert np.array_equal(bits(flat), bits(rows))
+        # the backward (norm_flat_backward_kernel), weight gradients the same bits twice
+        monkeypatch.setattr(norm_launch, "POLICY", norm_launch.NormPolicy())
+        monkeypatch.setattr(norm_launch, "_plans", {})
+        check_backward(rng, q, k, "head", variant, rope_kw, dtype, out=s > 1, repeats=2)
+        assert all(p.spec.backward and isinstance(p.spec, norm_launch.NormFlatSpec)
+                   for p in norm_launch._plans.values())
     assert len(rows_a_thread) > 1 and 1 in rows_a_thread
 
 
@@ -437,18 +443,23 @@ def test_flat_kernel_gives_the_rows_kernels_bits(rng, monkeypatch, case):
 def test_flat_token_kernel_matches_float64(rng, monkeypatch, case):
     """Scope "token" on dense rows with as many heads in q as in k runs
     norm_flat_token_kernel (several tokens a block, a token over several
-    warps): against float64, in place and out of place."""
+    warps) and its backward: against float64, in place and out of place,
+    weight gradients the same bits twice."""
     from cupy_rope import norm_launch
 
     dtype, d, variant = case
-    monkeypatch.setattr(norm_launch, "_plans", {})
+    packets = d * np.dtype(np_dtype(dtype)).itemsize // 16
     for (b, s, h) in ((2, 150, 8), (3, 1, 16), (1, 40, 40)):
+        monkeypatch.setattr(norm_launch, "_plans", {})
         q, k = randn(rng, (b, s, h, d), dtype), randn(rng, (b, s, h, d), dtype)
         rope_kw = {**tables(rng, d, 160), "interleaved": variant.interleaved, "offsets": 5}
         check_forward(rng, q, k, "token", variant, rope_kw, dtype, modes=("out", "inplace"))
-    specs = {p.spec for p in norm_launch._plans.values()}
-    assert specs and all(isinstance(p, norm_launch.NormFlatSpec) and p.scope == "token"
-                         for p in specs)
+        check_backward(rng, q, k, "token", variant, rope_kw, dtype, repeats=2)
+        flat = {p.spec.backward for p in norm_launch._plans.values()
+                if isinstance(p.spec, norm_launch.NormFlatSpec) and p.spec.scope == "token"}
+        # the backward's block holds a token at 2 rows a thread, within its launch bounds
+        assert flat == ({False, True} if h * packets // 2 <= norm_launch.FLAT_TOKEN_BACKWARD_THREADS
+                        else {False})
 
 
 @pytest.mark.parametrize("scope", SCOPES)

@@ -490,6 +490,38 @@ def qk_norm_rope():
 
 
 @case
+def qk_norm_rope_flat():
+    """The fused norm's flat kernels (dense rows, implied positions): per
+    head with 4 rows a thread and with 1 (a partial last warp), per token
+    over several warps a token; forward and backward."""
+    from cupy_rope import qk_norm
+
+    n = 0
+    cases = (("bfloat16", "head", "w", 128, False, (3, 9, 16, 8)),
+             ("float32", "head", "1+w", 64, True, (2, 7, 5, 3)),
+             ("bfloat16", "token", "w", 128, False, (2, 5, 40, 40)),
+             ("float32", "token", "none", 64, True, (3, 1, 8, 8)))
+    for dtype, scope, mode, d, interleaved, (b, s, hq, hk) in cases:
+        cos, sin = tables(d, 16)
+        wq = None if mode == "none" else normal((d if scope == "head" else hq * d,), dtype)
+        wk = None if mode == "none" else normal((d if scope == "head" else hk * d,), dtype)
+        kw = dict(cos=cos, sin=sin, interleaved=interleaved, norm_scope=scope, weight_mode=mode)
+        q, k = normal((b, s, hq, d), dtype), normal((b, s, hk, d), dtype)
+        name = f"norm flat {scope} {mode} d{d} {hq}/{hk} heads"
+        run(name, qk_norm.apply_qk_norm_rope, dtype, [q, k, wq, wk], kw)
+        grads = [normal((b, s, hq, d), dtype), normal((b, s, hk, d), dtype)]
+        want = qk_norm.apply_qk_norm_rope_backward(*[up(a) for a in grads + [q, k, wq, wk]],
+                                                   **{a: up(v) for a, v in kw.items()})
+        got = qk_norm.apply_qk_norm_rope_backward(*[dev(a) for a in grads + [q, k, wq, wk]],
+                                                  **{a: dev(v) for a, v in kw.items()})
+        for g, w in zip(got, want):
+            if w is not None:
+                compare(host(g), w, dtype, f"{name} backward")
+        n += 2
+    return n
+
+
+@case
 def rope_and_cache():
     """RoPE + KV-cache write: NHD and HND, bf16 and FP8 caches, padding
     tokens and device slots past the cache (skipped, never written)."""
