@@ -69,9 +69,43 @@ __device__ __forceinline__ float item_squares(const Packet<T, R::VEC>& raw, bool
   return sum;
 }
 
+// v (this lane's packet `own` as floats) rotated by sign * theta, as
+// norm_rope_kernel rotates (rotated_first / rotated_second of
+// kernels/angles.cuh, this lane's value first; multiplying by sign = +-1 is
+// exact); NaN outside the table. NeoX: the partner packet from its lane.
+template <class R, bool INTERLEAVED, typename T>
+__device__ __forceinline__ void rotate_packet(const Packet<T, R::VEC>& own, float (&v)[R::VEC],
+                                              const float (&c)[R::FREQS],
+                                              const float (&s)[R::FREQS], float sign,
+                                              bool inside, bool first_half, int partner_lane) {
+  if constexpr (INTERLEAVED) {
+#pragma unroll
+    for (int i = 0; i < R::FREQS; ++i) {
+      const float a = v[2 * i], b = v[2 * i + 1];
+      v[2 * i] = fmaf(a, c[i], -sign * (b * s[i]));
+      v[2 * i + 1] = fmaf(b, c[i], sign * (a * s[i]));
+    }
+  } else {
+    unsigned w[4], pw[4];
+    memcpy(w, &own, 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pw[i] = __shfl_sync(FULL_WARP, w[i], partner_lane);
+    Packet<T, R::VEC> partner;
+    memcpy(&partner, pw, 16);
+    float b[R::VEC];
+    to_floats(partner, b);
+    const float signed_sin = first_half ? -sign : sign;
+#pragma unroll
+    for (int i = 0; i < R::VEC; ++i) v[i] = fmaf(v[i], c[i], signed_sin * (b[i] * s[i]));
+  }
+  if (!inside) {
+#pragma unroll
+    for (int i = 0; i < R::VEC; ++i) v[i] = __int_as_float(0x7fffffff);
+  }
+}
+
 // y = round(round(x_hat) * w') or round(x_hat * w') in x's storage type,
-// rotated (as norm_rope_kernel: rotated_first / rotated_second of
-// kernels/angles.cuh, this lane's value first), into out (a live row).
+// rotated, into out (a live row).
 template <class R, bool INTERLEAVED, bool ROUND_BEFORE, typename T>
 __device__ __forceinline__ void normalize_rotate_store(const Packet<T, R::VEC>& raw, float rstd,
                                                        const float (&wv)[R::VEC],
@@ -89,26 +123,7 @@ __device__ __forceinline__ void normalize_rotate_store(const Packet<T, R::VEC>& 
     y.v[e] = from_float<T>(x_hat * wv[e]);
   }
   to_floats(y, v);
-  if constexpr (INTERLEAVED) {
-    rotate_interleaved(v, c, s);
-  } else {
-    // The partner's y (the other half of the pair), from its lane.
-    unsigned w[4], pw[4];
-    memcpy(w, &y, 16);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) pw[i] = __shfl_sync(FULL_WARP, w[i], partner_lane);
-    Packet<T, R::VEC> partner;
-    memcpy(&partner, pw, 16);
-    float b[R::VEC];
-    to_floats(partner, b);
-    const float signed_sin = first_half ? -1.f : 1.f;
-#pragma unroll
-    for (int i = 0; i < R::VEC; ++i) v[i] = fmaf(v[i], c[i], signed_sin * (b[i] * s[i]));
-  }
-  if (!inside) {
-#pragma unroll
-    for (int i = 0; i < R::VEC; ++i) v[i] = __int_as_float(0x7fffffff);
-  }
+  rotate_packet<R, INTERLEAVED>(y, v, c, s, 1.f, inside, first_half, partner_lane);
   if (live) store<T, R::VEC>(out, 1, v);
 }
 
@@ -274,30 +289,7 @@ __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_backward_min_blocks<U>
       // g = dy rotated by -theta (NaN outside the table, as the forward).
       float g[R::VEC], xf[R::VEC];
       to_floats(dy[u], g);
-      if constexpr (INTERLEAVED) {
-#pragma unroll
-        for (int i = 0; i < R::FREQS; ++i) {
-          const float a = g[2 * i], b = g[2 * i + 1];
-          g[2 * i] = fmaf(a, c[i], -sign * (b * s[i]));
-          g[2 * i + 1] = fmaf(b, c[i], sign * (a * s[i]));
-        }
-      } else {
-        unsigned w[4], pw[4];
-        memcpy(w, &dy[u], 16);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pw[i] = __shfl_sync(FULL_WARP, w[i], partner_lane);
-        Packet<T, R::VEC> partner;
-        memcpy(&partner, pw, 16);
-        float b[R::VEC];
-        to_floats(partner, b);
-        const float signed_sin = first_half ? -sign : sign;
-#pragma unroll
-        for (int i = 0; i < R::VEC; ++i) g[i] = fmaf(g[i], c[i], signed_sin * (b[i] * s[i]));
-      }
-      if (!fp.inside) {
-#pragma unroll
-        for (int i = 0; i < R::VEC; ++i) g[i] = __int_as_float(0x7fffffff);
-      }
+      rotate_packet<R, INTERLEAVED>(dy[u], g, c, s, sign, fp.inside, first_half, partner_lane);
       to_floats(x[u], xf);
       float sq = 0.f, dot = 0.f;  // this lane's part of sum x^2 and sum dn * x
 #pragma unroll
@@ -496,30 +488,7 @@ __global__ void __launch_bounds__(NORM_FLAT_TOKEN_BACKWARD_THREADS)
             weight + static_cast<i64>(head0 + u * R::PASS_ROWS) * HEAD_DIM + pk * R::VEC, 1);
       weight_values<WEIGHT>(wraw, false, wv[u]);
       to_floats(dy[u], g[u]);
-      if constexpr (INTERLEAVED) {
-#pragma unroll
-        for (int i = 0; i < R::FREQS; ++i) {
-          const float a = g[u][2 * i], b = g[u][2 * i + 1];
-          g[u][2 * i] = fmaf(a, c[i], -sign * (b * s[i]));
-          g[u][2 * i + 1] = fmaf(b, c[i], sign * (a * s[i]));
-        }
-      } else {
-        unsigned w[4], pw[4];
-        memcpy(w, &dy[u], 16);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pw[i] = __shfl_sync(FULL_WARP, w[i], partner_lane);
-        Packet<T, R::VEC> partner;
-        memcpy(&partner, pw, 16);
-        float b[R::VEC];
-        to_floats(partner, b);
-        const float signed_sin = first_half ? -sign : sign;
-#pragma unroll
-        for (int i = 0; i < R::VEC; ++i) g[u][i] = fmaf(g[u][i], c[i], signed_sin * (b[i] * s[i]));
-      }
-      if (!fp.inside) {
-#pragma unroll
-        for (int i = 0; i < R::VEC; ++i) g[u][i] = __int_as_float(0x7fffffff);
-      }
+      rotate_packet<R, INTERLEAVED>(dy[u], g[u], c, s, sign, fp.inside, first_half, partner_lane);
       float xf[R::VEC];
       to_floats(x[u], xf);
 #pragma unroll

@@ -457,6 +457,19 @@ def outside_the_table_and_empty():
     return 6
 
 
+def _norm_backward(name, dtype, arrays, kw):
+    """apply_qk_norm_rope_backward(*arrays, **kw) on the GPU against float64."""
+    from cupy_rope import qk_norm
+
+    want = qk_norm.apply_qk_norm_rope_backward(*[up(a) for a in arrays],
+                                               **{a: up(v) for a, v in kw.items()})
+    got = qk_norm.apply_qk_norm_rope_backward(*[dev(a) for a in arrays],
+                                              **{a: dev(v) for a, v in kw.items()})
+    for g, w in zip(got, want):
+        if w is not None:
+            compare(host(g), w, dtype, name)
+
+
 @case
 def qk_norm_rope():
     """The fused q/k RMSNorm + RoPE: both scopes, weight modes, partial
@@ -478,13 +491,8 @@ def qk_norm_rope():
             run(f"norm {scope} {mode} d{d}", qk_norm.apply_qk_norm_rope, dtype,
                 [q, k, wq, wk], kw)
             grads = [normal((t, hq, d), dtype), normal((t, hk, d), dtype)]
-            want = qk_norm.apply_qk_norm_rope_backward(*[up(a) for a in grads + [q, k, wq, wk]],
-                                                       **{a: up(b) for a, b in kw.items()})
-            got = qk_norm.apply_qk_norm_rope_backward(*[dev(a) for a in grads + [q, k, wq, wk]],
-                                                      **{a: dev(b) for a, b in kw.items()})
-            for g, w in zip(got, want):
-                if w is not None:
-                    compare(host(g), w, dtype, f"norm backward {scope} {mode} d{d}")
+            _norm_backward(f"norm backward {scope} {mode} d{d}", dtype, grads + [q, k, wq, wk],
+                           kw)
             n += 2
     return n
 
@@ -510,13 +518,7 @@ def qk_norm_rope_flat():
         name = f"norm flat {scope} {mode} d{d} {hq}/{hk} heads"
         run(name, qk_norm.apply_qk_norm_rope, dtype, [q, k, wq, wk], kw)
         grads = [normal((b, s, hq, d), dtype), normal((b, s, hk, d), dtype)]
-        want = qk_norm.apply_qk_norm_rope_backward(*[up(a) for a in grads + [q, k, wq, wk]],
-                                                   **{a: up(v) for a, v in kw.items()})
-        got = qk_norm.apply_qk_norm_rope_backward(*[dev(a) for a in grads + [q, k, wq, wk]],
-                                                  **{a: dev(v) for a, v in kw.items()})
-        for g, w in zip(got, want):
-            if w is not None:
-                compare(host(g), w, dtype, f"{name} backward")
+        _norm_backward(f"{name} backward", dtype, grads + [q, k, wq, wk], kw)
         n += 2
     return n
 
