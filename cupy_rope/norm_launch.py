@@ -158,6 +158,7 @@ class NormFlatSpec:
     heads: int = 0  # scope "token": every slab's heads (kernel HEADS)
     backward: bool = False
     weight_grad: bool = False
+    gapped: bool = False  # scope "head" forward: tokens further apart than their rows
 
     source_file = "norm_flat.cu"
 
@@ -170,7 +171,8 @@ class NormFlatSpec:
             str(self.head_dim), b(self.interleaved), str(self.slabs),
             str(POS_MODES[self.pos_mode]), str(WEIGHT_MODES[self.weight_mode]),
             b(self.weight_grad if self.backward else self.round_before), str(self.rows)]
-            + ([str(self.heads)] if self.scope == "token" else [])) + ">"
+            + ([str(self.heads)] if self.scope == "token" else [])
+            + ([b(self.gapped)] if self.scope == "head" and not self.backward else [])) + ">"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +191,9 @@ class ReduceSpec:
 _NORM_SLAB = "QQQ" + "q" * 5 + "qqq"
 _NORM = struct.Struct("<" + _NORM_SLAB * launch.MAX_SLABS + "ff")
 NORM_PARAMS_SIZE = launch.PARAMS_SIZE + _NORM.size
-NORM_FLAT_PARAMS_SIZE = launch.FLAT_PARAMS_SIZE + _NORM.size  # rope::NormFlatParams
+# rope::FlatGap per slab (kernels/norm_flat.cu): elements, heads_mul, heads_shift.
+_GAP = struct.Struct("<" + "qqq" * launch.MAX_SLABS)
+NORM_FLAT_PARAMS_SIZE = launch.FLAT_PARAMS_SIZE + _NORM.size + _GAP.size  # rope::NormFlatParams
 _REDUCE = struct.Struct("<" + "Q" * (2 * launch.MAX_SLABS) + "q" * (2 * launch.MAX_SLABS))
 
 
@@ -278,10 +282,11 @@ def _flat_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
     d = call.head_dim
     vec = launch.MAX_VECTOR_BYTES // launch.ITEMSIZE[call.dtype]
     packets = d // vec
-    geometry = launch.flat_geometry(call)
+    layout = _flat_layout(call)
     if (call.rotary_dim != d or d % vec or not 2 <= packets <= 32 or packets & (packets - 1)
-            or geometry is None):
+            or layout is None or (any(layout.gaps) and (backward or norm.scope != "head"))):
         return None
+    geometry = layout.geometry
     if backward and any(st != s.x_strides
                         for s, (_, _, st) in zip(call.slabs, _input_views(call, inputs))):
         return None
@@ -309,7 +314,49 @@ def _flat_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
     rows = most_rows
     while rows > 1 and any(step % (pass_rows * rows) for _, step, _ in geometry):
         rows //= 2
-    return dataclasses.replace(spec, rows=rows)
+    return dataclasses.replace(spec, rows=rows, gapped=any(layout.gaps))
+
+
+class _FlatLayout(NamedTuple):
+    geometry: list  # launch.flat_geometry of the slabs' dense twins
+    gaps: list  # per slab, elements between one token's head rows and the next's
+    heads: list  # per slab, head rows a token
+
+
+def _flat_layout(call: Call) -> Optional[_FlatLayout]:
+    """How the flat norm kernels walk ``call``'s slabs, or None where they
+    cannot: :func:`cupy_rope.launch.flat_geometry`'s dense head rows, or
+    (the q and k of a packed projection) a token's head rows dense but the
+    tokens further apart, walked as their dense twin with the gap added by
+    the kernel (rope::FlatGap)."""
+    d, twins, gaps = call.head_dim, [], []
+    for s in call.slabs:
+        b_st, s_st, g_st, h_st, d_st = s.x_strides
+        outer = [st for st, n in ((b_st, call.batch), (s_st, call.seqlen)) if n > 1]
+        step, dense = min(outer, default=0), s.heads * d
+        same_out = call.inplace or tuple(s.out_strides) == tuple(s.x_strides)
+        gap = 0
+        if (step > dense and (s.heads == 1 or h_st == d) and same_out
+                and all(st % step == 0 for st in outer)):
+            gap = step - dense
+            scale = (lambda st: st // step * dense if st % step == 0 and st else st)  # noqa: E731
+            st = (scale(b_st), scale(s_st), g_st, h_st, d_st)
+            s = s._replace(x_strides=st, out_strides=st if not call.inplace else s.out_strides)
+        twins.append(s)
+        gaps.append(gap)
+    geometry = launch.flat_geometry(call._replace(slabs=tuple(twins)))
+    if geometry is None:
+        return None
+    return _FlatLayout(geometry, gaps, [s.heads for s in call.slabs])
+
+
+def _flat_gaps(layout: _FlatLayout) -> bytes:
+    """rope::FlatGap of every slab (zeros past the call's slabs)."""
+    fields = []
+    for i in range(launch.MAX_SLABS):
+        gap = layout.gaps[i] if i < len(layout.gaps) else 0
+        fields += [gap, *(launch.reciprocal(layout.heads[i]) if gap else (0, 0))]
+    return _GAP.pack(*fields)
 
 
 def lane_layout(head_dim: int, rotary_dim: int, pairs: int, tail_vec: int) -> tuple:
@@ -391,7 +438,7 @@ def _flat_shape(call: Call, spec: NormFlatSpec, sm_count: int) -> _Shape:
     "token"), or for the backward blocks of at most
     flat_backward_threads_per_sm threads an SM, which walk the rows (scope
     "token": a block holds one token); units: the slab's rows."""
-    rows = [r for r, _, _ in launch.flat_geometry(call)]
+    rows = [r for r, _, _ in _flat_layout(call).geometry]
     packets = spec.head_dim * launch.ITEMSIZE[spec.dtype] // launch.MAX_VECTOR_BYTES
     if spec.backward:
         if spec.scope == "token":  # a block: one token's warps
@@ -491,6 +538,7 @@ class Plan(NamedTuple):
     spec: "NormSpec | NormFlatSpec"
     shape: _Shape
     fixed: bytes  # the fixed part of rope::Params, or of rope::FlatParams (NormFlatSpec)
+    tail: bytes = b""  # after the norm's part: NormFlatSpec's rope::FlatGap per slab
 
 
 _plans: dict = {}
@@ -534,9 +582,12 @@ def plan(call: Call, weights, norm: NormOptions, backward: bool = False,
         return found
     spec = choose_spec(call, norm, weights, backward, weight_grad, inputs)
     shape = launch_shape(call, spec, launch._sm_count(call.device[1]))
-    fixed = (launch.flat_fixed_params(call, shape.slab_blocks, launch.flat_geometry(call))
-             if isinstance(spec, NormFlatSpec) else launch.fixed_params(call, shape.slab_blocks))
-    found = Plan(spec, shape, fixed)
+    if isinstance(spec, NormFlatSpec):
+        layout = _flat_layout(call)
+        found = Plan(spec, shape, launch.flat_fixed_params(call, shape.slab_blocks,
+                                                           layout.geometry), _flat_gaps(layout))
+    else:
+        found = Plan(spec, shape, launch.fixed_params(call, shape.slab_blocks))
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[key] = found
@@ -546,7 +597,8 @@ def plan(call: Call, weights, norm: NormOptions, backward: bool = False,
 def _params(call: Call, plan_: Plan, weights, inputs, partials, eps: float) -> bytes:
     """The whole parameter block (rope::NormParams) of one launch."""
     return (launch._DYNAMIC.pack(*_dynamic(call)) + plan_.fixed
-            + _norm_fields(call, plan_.spec, plan_.shape, weights, inputs, partials, eps))
+            + _norm_fields(call, plan_.spec, plan_.shape, weights, inputs, partials, eps)
+            + plan_.tail)
 
 
 # --------------------------------------------------------------- launch --
@@ -900,12 +952,29 @@ def _shipped_call(tensor, dtype, d, r, interleaved, inplace, pos_mode, source, s
                       **kw)
 
 
+def _packed_call(tensor, dtype, d, interleaved, pos_mode, s=16):
+    """A shape-only in-place call on the q (4 heads) and k (2 heads) of a
+    packed projection [s, (4 + 2 * 2) * d], cos/sin tables (the serving form)."""
+    from .validate import check_call
+
+    row = 8 * d
+    packed = tensor((s, row), dtype)
+    q = packed._replace(shape=(s, 4, d), strides=(row, d, 1))
+    k = packed._replace(shape=(s, 2, d), strides=(row, d, 1),
+                        ptr=packed.ptr + 4 * d * packed.itemsize)
+    kw = dict(positions=tensor((s,), "int32")) if pos_mode == "explicit" else {}
+    return check_call(q, k=k, layout="thd", interleaved=interleaved, inplace=True,
+                      cos=tensor((s, d // 2), "float32"), sin=tensor((s, d // 2), "float32"),
+                      **kw)
+
+
 def shipped_specs() -> list:
     """The specializations the CPU compile test builds: dtype x head_dim
     {64, 80, 128, 256} x full / half rotary x NeoX / GPT-J x scope x
     (weight w rounded before, 1 + w rounded after, no weight), forward for
-    decode-sized and large calls, backward with and without weight
-    gradients (scope "token" also with as many k heads as q heads); plus each
+    decode-sized and large calls (scope "head" also in place on a packed
+    projection), backward with and without weight gradients (scope "token"
+    also with as many k heads as q heads); plus each
     position rule and computed angles for head_dim 128. (In place and out
     of place share their kernels.)"""
     import itertools
@@ -937,6 +1006,9 @@ def shipped_specs() -> list:
                 for wgrad in (False, True):
                     specs.add(choose_spec(even, norm, even_w, True, wgrad,
                                           [s.x for s in even.slabs]))
+            if scope == "head" and frac == 1 and pos_mode in ("implied", "explicit"):
+                specs.add(choose_spec(_packed_call(tensor, dtype, d, interleaved, pos_mode),
+                                      norm, weights))
             inputs = [s.x for s in call.slabs]
             for wgrad in (False, True):
                 specs.add(choose_spec(call, norm, weights, True, wgrad, inputs))

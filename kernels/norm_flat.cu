@@ -21,12 +21,31 @@
 
 namespace rope {
 
-// FlatParams, then the norm's part (as NormParams ends).
+// A slab whose tokens lie further apart than their head rows (the q and k
+// of a packed projection): `elems` more elements after each token's `heads`
+// rows; row / heads as divide(row, heads_mul, heads_shift). All 0 for a
+// dense slab, and for every kernel but the scope-"head" forward.
+struct FlatGap {
+  i64 elems;
+  i64 heads_mul;
+  i64 heads_shift;
+};
+
+// FlatParams, then the norm's part (as NormParams ends), then the gaps.
 struct NormFlatParams : FlatParams {
   NormSlab norm[MAX_SLABS];
   float eps;
   float pad2_;
+  FlatGap gap[MAX_SLABS];
 };
+
+// Element offset of head row `row` of a slab (GAPPED: with its FlatGap).
+template <bool GAPPED>
+__device__ __forceinline__ i64 row_offset(unsigned row, int head_dim, const FlatGap& gap) {
+  const i64 at = static_cast<i64>(row) * head_dim;
+  if constexpr (!GAPPED) return at;
+  return at + static_cast<i64>(divide(row, gap.heads_mul, gap.heads_shift)) * gap.elems;
+}
 
 // The layout of one head row's packets on a warp's lanes.
 template <typename T, int HEAD_DIM, bool INTERLEAVED>
@@ -159,9 +178,10 @@ __host__ __device__ constexpr int norm_flat_min_blocks() {
 // PASS_ROWS adjacent rows (each pass one contiguous run of memory); the
 // launcher sets U > 1 only where all of them lie at one position (its
 // rows_per_step is a multiple of the warp's rows), so their angles and
-// weights are read once.
+// weights are read once. GAPPED: a slab's tokens lie further apart than
+// their head rows (p.gap: the q and k of a packed projection).
 template <typename T, typename AngleT, typename WT, int HEAD_DIM, bool INTERLEAVED, int SLABS,
-          int POS_MODE, int WEIGHT, bool ROUND_BEFORE, int U>
+          int POS_MODE, int WEIGHT, bool ROUND_BEFORE, int U, bool GAPPED>
 __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_min_blocks<U>())
     norm_flat_kernel(const NormFlatParams p) {
   using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
@@ -171,6 +191,10 @@ __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_min_blocks<U>())
   const FlatBlock blk = flat_block<SLABS>(p);
   const FlatSlab& sl = blk.s;
   const WT* weight = slab_weight<SLABS, WT>(p, blk.index);
+  FlatGap gap = p.gap[0];
+#pragma unroll
+  for (int i = 1; i < SLABS; ++i)
+    if (i == blk.index) gap = p.gap[i];
   const unsigned lane = threadIdx.x & 31u;
   const unsigned begin = SLABS == 1 ? 0u : static_cast<unsigned>(sl.block_begin);
   const unsigned warp = (blockIdx.x - begin) * (FLAT_THREADS / 32) + threadIdx.x / 32u;
@@ -187,7 +211,8 @@ __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_min_blocks<U>())
     memset(&raw[u], 0, sizeof(raw[u]));
     if (row < rows)
       raw[u] = load_raw<T, R::VEC>(
-          static_cast<const T*>(blk.x) + static_cast<i64>(row) * HEAD_DIM + pk * R::VEC, 1);
+          static_cast<const T*>(blk.x) + row_offset<GAPPED>(row, HEAD_DIM, gap) + pk * R::VEC,
+          1);
   }
   Packet<WT, R::VEC> wraw{};
   if (WEIGHT != WEIGHT_NONE) wraw = load_raw<WT, R::VEC>(weight + pk * R::VEC, 1);
@@ -213,7 +238,8 @@ __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_min_blocks<U>())
     const unsigned row = row0 + u * R::PASS_ROWS;
     normalize_rotate_store<R, INTERLEAVED, ROUND_BEFORE>(
         raw[u], rstd[u], wv, c, s, fp.inside, first_half, partner_lane,
-        static_cast<T*>(blk.out) + static_cast<i64>(row) * HEAD_DIM + pk * R::VEC, row < rows);
+        static_cast<T*>(blk.out) + row_offset<GAPPED>(row, HEAD_DIM, gap) + pk * R::VEC,
+        row < rows);
   }
 }
 

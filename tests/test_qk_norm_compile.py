@@ -37,6 +37,7 @@ def test_every_shipped_norm_specialization_compiles_for_sm90():
         (i, m, r) for i in (False, True) for m, r in (("w", True), ("1+w", False), ("none", True))}
     assert {s.head_dim for s in flat} == {64, 128, 256}  # d80: rows of 10 packets stay on rows
     assert {s.scope for s in flat} == {"head", "token"} and {s.rows for s in flat} >= {1, 2, 4}
+    assert {s.gapped for s in flat} == {False, True}  # in place on a packed projection too
     assert {(s.scope, s.backward, s.weight_grad) for s in flat} >= {
         (scope, True, wgrad) for scope in ("head", "token") for wgrad in (False, True)}
     chunks = [(specs[i:i + CHUNK], "sm_90") for i in range(0, len(specs), CHUNK)]
@@ -65,7 +66,9 @@ def test_norm_params_struct_matches_the_header():
     assert re.search(r"struct NormParams : Params \{\s*NormSlab norm\[MAX_SLABS\];\s*"
                      r"float eps;\s*float pad2_;\s*\};", text)
     assert re.search(r"struct NormFlatParams : FlatParams \{\s*NormSlab norm\[MAX_SLABS\];\s*"
-                     r"float eps;\s*float pad2_;\s*\};", flat)
+                     r"float eps;\s*float pad2_;\s*FlatGap gap\[MAX_SLABS\];\s*\};", flat)
+    gap = re.search(r"struct FlatGap \{(.*?)\};", flat, re.S).group(1)
+    assert re.findall(r"\bi64 (\w+);", gap) == ["elems", "heads_mul", "heads_shift"]
     consts = dict(re.findall(r"constexpr int (\w+) = (\d+);", text))
     assert int(consts["NORM_THREADS"]) == norm_launch.NORM_THREADS
     assert int(consts["REDUCE_COLS"]) == norm_launch.REDUCE_COLS
@@ -151,8 +154,8 @@ def test_dense_per_head_calls_run_the_flat_kernels(monkeypatch, interleaved):
     assert fields["slab[1].block_begin"] == plan.shape.blocks[0]
     params = norm_launch._params(call, plan, norm_launch._weights(weights), None, None, 1e-6)
     assert len(params) == norm_launch.NORM_FLAT_PARAMS_SIZE
-    assert norm_launch._NORM.unpack_from(params, norm_launch.NORM_FLAT_PARAMS_SIZE
-                                         - norm_launch._NORM.size)[0] == weights[0].ptr
+    assert norm_launch._NORM.unpack_from(params, launch.FLAT_PARAMS_SIZE)[0] == weights[0].ptr
+    assert params.endswith(bytes(norm_launch._GAP.size))  # dense slabs: no gaps
     # several rows a thread where a warp's rows share a position
     wide = norm_launch._shipped_call(tensor, "bfloat16", 128, 128, interleaved, False,
                                      "implied", "table", 1000, (16, 8))
@@ -185,6 +188,37 @@ def test_dense_per_head_calls_run_the_flat_kernels(monkeypatch, interleaved):
                                           "implied", "table")
         w = [tensor((d,), "bfloat16")] * 2
         assert isinstance(norm_launch.choose_spec(other, norm, w), norm_launch.NormSpec)
+
+
+def test_packed_projection_in_place_runs_the_flat_kernel_with_gaps(monkeypatch):
+    """q and k of a packed qkv, in place (the serving decode): the flat
+    kernel walks each slab as its dense twin and adds the gap between
+    tokens; out of place (new dense outputs) keeps norm_rope_kernel."""
+    monkeypatch.setattr(launch, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(norm_launch, "_plans", {})
+    tensor = launch._FakeArrays()
+    t, hq, hk, d = 64, 32, 8, 128
+    row = (hq + 2 * hk) * d
+    packed = tensor((t, row), "bfloat16")
+    q = packed._replace(shape=(t, hq, d), strides=(row, d, 1))
+    k = packed._replace(shape=(t, hk, d), strides=(row, d, 1), ptr=packed.ptr + 2 * hq * d)
+    kw = dict(layout="thd", cos=tensor((8192, 64), "float32"), sin=tensor((8192, 64), "float32"),
+              positions=tensor((t,), "int32"))
+    weights = [tensor((d,), "bfloat16")] * 2
+    norm = NormOptions("head", "w", "before_weight")
+    plan = norm_launch.plan(check_call(q, k=k, inplace=True, **kw), weights, norm)
+    assert isinstance(plan.spec, norm_launch.NormFlatSpec)
+    assert plan.spec.rows == 4 and plan.spec.gapped and "true>" in plan.spec.name_expression()
+    assert plan.shape.units == [t * hq, t * hk]
+    gaps = norm_launch._GAP.unpack(plan.tail)
+    assert gaps[:3] == (row - hq * d, *launch.reciprocal(hq))
+    assert gaps[3:6] == (row - hk * d, *launch.reciprocal(hk)) and gaps[6:] == (0, 0, 0)
+    fields = dict(zip((n for n, _ in launch.FLAT_FIXED_FIELDS),
+                      launch._FLAT_FIXED.unpack(plan.fixed)))
+    assert fields["slab[0].step_mul"] == launch.reciprocal(hq)[0]  # a sequence step: hq rows
+    out = dict(out=tensor((t, hq, d), "bfloat16"), out_k=tensor((t, hk, d), "bfloat16"))
+    assert isinstance(norm_launch.choose_spec(check_call(q, k=k, **out, **kw), norm, weights),
+                      norm_launch.NormSpec)
 
 
 def test_token_scope_refuses_more_heads_than_a_block_holds():

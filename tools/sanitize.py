@@ -501,7 +501,8 @@ def qk_norm_rope():
 def qk_norm_rope_flat():
     """The fused norm's flat kernels (dense rows, implied positions): per
     head with 4 rows a thread and with 1 (a partial last warp), per token
-    over several warps a token; forward and backward."""
+    over several warps a token; forward and backward; in place on a packed
+    qkv (explicit positions, rows apart by a gap)."""
     from cupy_rope import qk_norm
 
     n = 0
@@ -520,7 +521,17 @@ def qk_norm_rope_flat():
         grads = [normal((b, s, hq, d), dtype), normal((b, s, hk, d), dtype)]
         _norm_backward(f"{name} backward", dtype, grads + [q, k, wq, wk], kw)
         n += 2
-    return n
+    # in place on the q and k of a packed projection (tokens apart by v too)
+    cos, sin = tables(128, 16)
+    qkv, w = normal((9, (16 + 2 * 8) * 128), "bfloat16"), normal((128,), "bfloat16")
+    kw = dict(cos=cos, sin=sin, positions=np.array([3, 0, 15, 2, 2, 7, 1, 9, 4], np.int32),
+              layout="thd", num_q_heads=16, num_kv_heads=8, inplace=True)
+    got = dev(qkv)
+    qk_norm.apply_qkv_norm_rope(got, dev(w), dev(w), **{a: dev(v) for a, v in kw.items()})
+    want = up(qkv)
+    qk_norm.apply_qkv_norm_rope(want, up(w), up(w), **{a: up(v) for a, v in kw.items()})
+    compare(host(got), want, "bfloat16", "norm flat packed qkv in place")
+    return n + 1
 
 
 @case
