@@ -1,4 +1,5 @@
-"""Plan and launch of the fused q/k RMSNorm + RoPE kernels (kernels/norm_rope.cu).
+"""Plan and launch of the fused q/k RMSNorm + RoPE kernels (kernels/norm_flat.cu
+for dense head rows, kernels/norm_rope.cu for every call).
 
 Interface (called by :mod:`cupy_rope.qk_norm`)::
 
@@ -10,8 +11,10 @@ Interface (called by :mod:`cupy_rope.qk_norm`)::
 
 From a validated :class:`~cupy_rope.validate.Call` of op ``"qk"`` (outputs
 attached) and the norm's :class:`~cupy_rope.validate.NormOptions` this
-module derives the kernel specialization (:class:`NormSpec`), the launch
-shape and the parameter block (``rope::NormParams``: ``rope::Params`` as
+module derives the kernel specialization (:class:`NormFlatSpec` where a
+flat kernel takes the call, else :class:`NormSpec`), the launch shape and
+the parameter block (``rope::NormFlatParams``: ``rope::FlatParams``, the
+norm's part and the gaps; or ``rope::NormParams``: ``rope::Params`` as
 :mod:`cupy_rope.launch` packs it, then the norm's part), and launches on the
 stream of the caller's framework. Kernels compile through
 :func:`cupy_rope.specialize.get_kernel` (NVRTC, cached in memory and on
@@ -21,7 +24,7 @@ A :class:`Plan` (spec, shape, fixed parameters) is cached per call
 signature, so a repeated call only packs its pointers; :data:`POLICY` holds
 the tuned launch choices.
 
-Forward is one launch. Backward is two: norm_rope_kernel, whose blocks each
+Forward is one launch. Backward is two: the norm kernel, whose blocks each
 write a float32 row of weight-gradient partial sums into a workspace, then
 weight_grad_reduce, which sums those rows in a fixed order (no atomics), so
 the weight gradients are the same bits on every run of a call signature on
@@ -83,8 +86,9 @@ class NormPolicy:
     #: norm_flat_kernel: head rows a thread holds where a warp's rows share
     #: a position (their angles and weights read once for all).
     flat_rows: int = 4
-    #: norm_flat_token_kernel: threads a block holds at most (whole tokens).
-    flat_token_threads: int = 256
+    #: norm_flat_token_kernel: the threads a block aims at (whole tokens,
+    #: at least one).
+    flat_token_block: int = 256
     #: The flat backward kernels: head rows a thread holds per step (as
     #: flat_rows), and threads per SM of the blocks that walk the rows (each
     #: block writes one partial row of weight-gradient sums).
@@ -140,9 +144,9 @@ class NormSpec:
 
 @dataclasses.dataclass(frozen=True)
 class NormFlatSpec:
-    """Compile-time choices of one norm_flat_kernel instantiation: the
-    forward of a per-head norm over dense head rows, one 16-byte packet a
-    thread (kernels/norm_flat.cu)."""
+    """Compile-time choices of one flat norm kernel instantiation
+    (kernels/norm_flat.cu: forward or backward, scope "head" or "token",
+    over dense head rows, a packet a thread and row)."""
 
     dtype: str
     angle_dtype: str
@@ -187,7 +191,8 @@ class ReduceSpec:
         return f"rope::weight_grad_reduce<{CXX_TYPES[self.weight_dtype]}>"
 
 
-# rope::NormSlab per slab, then eps and its padding (kernels/norm_rope.cu).
+# rope::NormSlab per slab, then eps and its padding (kernels/norm_items.cuh,
+# norm_rope.cu).
 _NORM_SLAB = "QQQ" + "q" * 5 + "qqq"
 _NORM = struct.Struct("<" + _NORM_SLAB * launch.MAX_SLABS + "ff")
 NORM_PARAMS_SIZE = launch.PARAMS_SIZE + _NORM.size
@@ -225,9 +230,9 @@ def _widths(call: Call, inputs) -> "launch._Widths":
 
 
 def choose_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
-                weight_grad: bool = False, inputs=None) -> NormSpec:
-    """The kernel instantiation for ``call`` (outputs attached): a forward
-    call's :class:`NormFlatSpec` where norm_flat_kernel takes it, else
+                weight_grad: bool = False, inputs=None) -> "NormSpec | NormFlatSpec":
+    """The kernel instantiation for ``call`` (outputs attached): a flat
+    kernel's :class:`NormFlatSpec` where one takes it, else
     norm_rope_kernel's :class:`NormSpec`.
 
     ``weights``: (q_weight, k_weight) descriptions of one dtype, or None;
@@ -271,14 +276,15 @@ def choose_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
 
 def _flat_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
                weight_grad: bool = False, inputs=None) -> Optional[NormFlatSpec]:
-    """The flat kernels' spec for a forward ``call``, or None where they do
-    not apply. Both need full rotary on flat_kernel's layouts
-    (:func:`cupy_rope.launch.flat_geometry`), head rows of 2 to 32 aligned
-    16-byte packets (a power of two: scope "head" then sums a row's lanes
-    in norm_rope_kernel's order, so both kernels give the same bits) and
-    weights aligned for packets. Scope "token" also needs every slab's
-    heads innermost in memory, and as many heads in each slab; the backward
-    forward inputs with the gradients' strides."""
+    """The flat kernels' spec for ``call``, or None where they do not
+    apply. They need full rotary on flat_kernel's layouts (:func:`_flat_layout`:
+    also a packed projection in place, for the scope-"head" forward), head
+    rows of 2 to 32 aligned packets (a power of two: scope "head" then sums
+    a row's lanes in norm_rope_kernel's order, so both kernels give the
+    same bits) and weights aligned for packets. Scope "token" also needs
+    every slab's heads innermost in memory, as many heads in each slab and
+    a token within one block; the backward, forward inputs with the
+    gradients' strides."""
     d = call.head_dim
     vec = launch.MAX_VECTOR_BYTES // launch.ITEMSIZE[call.dtype]
     packets = d // vec
@@ -302,7 +308,8 @@ def _flat_spec(call: Call, norm: NormOptions, weights, backward: bool = False,
                         norm.rounding == "before_weight")
     spec = dataclasses.replace(spec, round_before=spec.round_before and not backward,
                                backward=backward, weight_grad=weight_grad and weights is not None)
-    most_rows = POLICY.flat_backward_rows if backward else POLICY.flat_rows
+    # The kernels hold at most 4 rows a thread (the backward 2).
+    most_rows = min(POLICY.flat_backward_rows, 2) if backward else min(POLICY.flat_rows, 4)
     if norm.scope == "token":
         heads = call.slabs[0].heads
         if any(s.heads != heads or (heads > 1 and s.x_strides[3] != d) for s in call.slabs):
@@ -415,7 +422,7 @@ class _Shape(NamedTuple):
     grid: tuple
     block: tuple
     slab_blocks: list  # per slab (block_begin, token_blocks, head_lanes, heads_per_block)
-    units: list  # per slab: token blocks x head groups
+    units: list  # per slab: token blocks x head groups (flat kernels: head rows)
     blocks: list  # per slab: blocks launched (a block walks units[k] / blocks[k] units)
 
 
@@ -438,33 +445,34 @@ def _flat_shape(call: Call, spec: NormFlatSpec, sm_count: int) -> _Shape:
     "token"), or for the backward blocks of at most
     flat_backward_threads_per_sm threads an SM, which walk the rows (scope
     "token": a block holds one token); units: the slab's rows."""
-    rows = [r for r, _, _ in _flat_layout(call).geometry]
+    slab_rows = [r for r, _, _ in _flat_layout(call).geometry]
     packets = spec.head_dim * launch.ITEMSIZE[spec.dtype] // launch.MAX_VECTOR_BYTES
     if spec.backward:
         if spec.scope == "token":  # a block: one token's warps
             threads = spec.heads * packets // spec.rows
-            steps = [r // spec.heads for r in rows]
+            steps = [r // spec.heads for r in slab_rows]
         else:  # a block: FLAT_THREADS threads, U rows each per step
             threads = launch.FLAT_THREADS
-            steps = [-(-r // (32 // packets * spec.rows * threads // 32)) for r in rows]
+            steps = [-(-r // (32 // packets * spec.rows * threads // 32)) for r in slab_rows]
         most = max(1, POLICY.flat_backward_threads_per_sm // threads) * sm_count
         blocks = [min(n, most) for n in steps]
         slab_blocks = [(sum(blocks[:i]), 0, 0, 0) for i in range(len(blocks))]
-        return _Shape((sum(blocks), 1, 1), (threads, 1, 1), slab_blocks, rows, blocks)
+        return _Shape((sum(blocks), 1, 1), (threads, 1, 1), slab_blocks, slab_rows, blocks)
     if spec.scope == "head":
         grid, block, slab_blocks = launch.flat_shape(packets, True,
-                                                     [-(-r // spec.rows) for r in rows])
+                                                     [-(-r // spec.rows) for r in slab_rows])
     else:
         token_threads = spec.heads * packets // spec.rows
-        per_block = max(1, POLICY.flat_token_threads // token_threads)
+        per_block = max(1, min(POLICY.flat_token_block, FLAT_TOKEN_THREADS) // token_threads)
         block = (per_block * token_threads, 1, 1)
         slab_blocks, begin = [], 0
-        for r in rows:
+        for r in slab_rows:
             slab_blocks.append((begin, 0, 0, 0))
             begin += -(-(r // spec.heads) // per_block)
         grid = (begin, 1, 1)
     ends = [b[0] for b in slab_blocks[1:]] + [grid[0]]
-    return _Shape(grid, block, slab_blocks, rows, [e - b[0] for b, e in zip(slab_blocks, ends)])
+    return _Shape(grid, block, slab_blocks, slab_rows,
+                  [e - b[0] for b, e in zip(slab_blocks, ends)])
 
 
 def launch_shape(call: Call, spec: NormSpec, sm_count: int) -> _Shape:
@@ -595,7 +603,8 @@ def plan(call: Call, weights, norm: NormOptions, backward: bool = False,
 
 
 def _params(call: Call, plan_: Plan, weights, inputs, partials, eps: float) -> bytes:
-    """The whole parameter block (rope::NormParams) of one launch."""
+    """The whole parameter block (rope::NormParams, or rope::NormFlatParams)
+    of one launch."""
     return (launch._DYNAMIC.pack(*_dynamic(call)) + plan_.fixed
             + _norm_fields(call, plan_.spec, plan_.shape, weights, inputs, partials, eps)
             + plan_.tail)
@@ -998,10 +1007,11 @@ def shipped_specs() -> list:
                 call = _shipped_call(tensor, dtype, d, r, interleaved, False, pos_mode, source,
                                      tokens)
                 specs.add(choose_spec(call, norm, weights))
-            if scope == "token" and pos_mode == "implied":  # q and k of 8 heads: flat too
+            for h in ((8, 6) if scope == "token" and pos_mode == "implied" else ()):
+                # as many q as k heads: flat too (8: rows grouped a thread, 6: one)
                 even = _shipped_call(tensor, dtype, d, r, interleaved, False, pos_mode, source,
-                                     LARGE_TOKENS, (8, 8))
-                even_w = (tensor((8 * d,), dtype),) * 2
+                                     LARGE_TOKENS, (h, h))
+                even_w = (tensor((h * d,), dtype),) * 2
                 specs.add(choose_spec(even, norm, even_w))
                 for wgrad in (False, True):
                     specs.add(choose_spec(even, norm, even_w, True, wgrad,
@@ -1009,6 +1019,14 @@ def shipped_specs() -> list:
             if scope == "head" and frac == 1 and pos_mode in ("implied", "explicit"):
                 specs.add(choose_spec(_packed_call(tensor, dtype, d, interleaved, pos_mode),
                                       norm, weights))
+                # 4 rows a thread (q 16, k 8 heads); float32 weights with 16-bit x
+                wide = _shipped_call(tensor, dtype, d, r, interleaved, False, pos_mode, source,
+                                     LARGE_TOKENS, (16, 8))
+                wide_in = [s.x for s in wide.slabs]
+                f32 = (tensor((d,), "float32"),) * 2 if wm != "none" else weights
+                for w in {weights, f32}:
+                    specs.add(choose_spec(wide, norm, w))
+                    specs.add(choose_spec(wide, norm, w, True, True, wide_in))
             inputs = [s.x for s in call.slabs]
             for wgrad in (False, True):
                 specs.add(choose_spec(call, norm, weights, True, wgrad, inputs))

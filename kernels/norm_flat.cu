@@ -1,14 +1,14 @@
-// The forward of apply_qk_norm_rope over dense head rows, walked as
-// flat_kernel walks them (kernels/flat.cu): one 16-byte packet per thread
-// and row, a row's packets on adjacent lanes of one warp, the NeoX partner
-// from another lane. A thread holds U rows at one position (their angles
+// apply_qk_norm_rope and its backward over dense head rows, walked as
+// flat_kernel walks them (kernels/flat.cu): one packet per thread and row,
+// a row's packets on adjacent lanes of one warp, the NeoX partner from
+// another lane. A thread holds U rows at one position (their angles
 // read once); a row's sum of squares is taken across the lanes that hold
 // it (scope "head") or across the warps that hold a token (scope "token").
 // Nothing else is held, so an SM holds many threads, each with U packets in
 // flight. cupy_rope/norm_launch.py picks these kernels where they apply
 // (full rotary, rows of a power-of-two number of packets within a warp,
-// flat_geometry's layouts); norm_rope_kernel (kernels/norm_rope.cu) runs
-// every other call.
+// flat_geometry's layouts, scope "token" with a token's heads innermost);
+// norm_rope_kernel (kernels/norm_rope.cu) runs every other call.
 //
 // Scope "head" gives norm_rope_kernel's bits: its item of PAIRS = VEC pairs
 // is this kernel's packet (GPT-J) or the packet and its NeoX partner's, and

@@ -18,7 +18,7 @@ struct NormSlab {
   const void* input_data;  // backward: the forward input x
   View input;              // its strides, as Params' views
   i64 blocks;             // blocks of this slab
-  i64 units;              // token blocks x head groups
+  i64 units;              // token blocks x head groups (flat kernels: head rows)
   i64 weight_len;         // HEAD_DIM (SCOPE_HEAD) or heads * HEAD_DIM
 };
 

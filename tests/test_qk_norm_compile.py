@@ -38,6 +38,10 @@ def test_every_shipped_norm_specialization_compiles_for_sm90():
     assert {s.head_dim for s in flat} == {64, 128, 256}  # d80: rows of 10 packets stay on rows
     assert {s.scope for s in flat} == {"head", "token"} and {s.rows for s in flat} >= {1, 2, 4}
     assert {s.gapped for s in flat} == {False, True}  # in place on a packed projection too
+    assert {(s.scope, s.backward, s.rows) for s in flat} >= {
+        ("head", False, 4), ("head", True, 2), ("token", False, 1), ("token", True, 1)}
+    assert any(s.weight_dtype == "float32" and s.dtype != "float32" and s.weight_mode != "none"
+               for s in flat)
     assert {(s.scope, s.backward, s.weight_grad) for s in flat} >= {
         (scope, True, wgrad) for scope in ("head", "token") for wgrad in (False, True)}
     chunks = [(specs[i:i + CHUNK], "sm_90") for i in range(0, len(specs), CHUNK)]

@@ -409,8 +409,8 @@ def test_flat_kernel_gives_the_rows_kernels_bits(rng, monkeypatch, case):
     wq, wk = weights(rng, d, d, dtype, variant.weight_mode)
     rows_a_thread = set()
     # heads that let a thread hold several rows at one position, heads that
-    # do not, and one token a sequence (every row at position 0 + offset)
-    for (b, s, hq, hk) in ((2, 300, 16, 8), (2, 300, 5, 3), (3, 1, 5, 3)):
+    # do not (the last warp partly past the rows), one token a sequence
+    for (b, s, hq, hk) in ((2, 300, 16, 8), (2, 300, 5, 3), (1, 3, 5, 3), (3, 1, 5, 3)):
         q, k = randn(rng, (b, s, hq, d), dtype), randn(rng, (b, s, hk, d), dtype)
         rope_kw = {**tables(rng, d, 300), "interleaved": variant.interleaved}
         if s == 1:
@@ -460,6 +460,54 @@ def test_flat_token_kernel_matches_float64(rng, monkeypatch, case):
         # the backward's block holds a token at 2 rows a thread, within its launch bounds
         assert flat == ({False, True} if h * packets // 2 <= norm_launch.FLAT_TOKEN_BACKWARD_THREADS
                         else {False})
+
+
+FLAT_ODD = {"bf16-d128-h6": ("bfloat16", 128, 6), "fp32-d64-h6": ("float32", 64, 6),
+            "bf16-d256-h5": ("bfloat16", 256, 5)}
+
+
+@pytest.mark.parametrize("case", FLAT_ODD.values(), ids=FLAT_ODD.keys())
+def test_flat_token_kernels_one_row_a_thread(rng, monkeypatch, case):
+    """Scope "token" with heads that no warp's rows group into 2 or 4 a
+    thread: the flat kernels hold one row a thread, forward and backward."""
+    from cupy_rope import norm_launch
+
+    dtype, d, h = case
+    monkeypatch.setattr(norm_launch, "_plans", {})
+    q, k = randn(rng, (2, 30, h, d), dtype), randn(rng, (2, 30, h, d), dtype)
+    rope_kw = tables(rng, d, 30)
+    check_forward(rng, q, k, "token", VARIANTS[0], rope_kw, dtype, modes=("out",))
+    check_backward(rng, q, k, "token", VARIANTS[0], rope_kw, dtype, repeats=2)
+    specs = [p.spec for p in norm_launch._plans.values()]
+    assert {(type(p), p.scope, p.rows, p.backward) for p in specs} == {
+        (norm_launch.NormFlatSpec, "token", 1, False), (norm_launch.NormFlatSpec, "token", 1, True)}
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_flat_kernels_fp32_weights_and_explicit_positions(rng, monkeypatch, scope):
+    """bf16 x with float32 weights (32-byte weight packets) and 1-D explicit
+    positions on the flat kernels, forward and backward, against float64;
+    the weight gradients come back in float32."""
+    from cupy_rope import norm_launch
+
+    monkeypatch.setattr(norm_launch, "_plans", {})
+    q, k = randn(rng, (2, 40, 8, 128), "bfloat16"), randn(rng, (2, 40, 8, 128), "bfloat16")
+    rope_kw = {**tables(rng, 128, 64), "positions": rng.permutation(64)[:40].astype(np.int32)}
+    nkw = norm_kw(scope, VARIANTS[0])
+    n = weight_len(scope, 8, 128)
+    wq, wk = weights(rng, n, n, "float32", "w")
+    for got, want in zip(run_forward(q, k, wq, wk, nkw, rope_kw, "out", "bfloat16"),
+                         expected_forward(q, k, wq, wk, nkw, rope_kw)):
+        assert_close(got, want, "bfloat16", f"{scope} fp32 weights forward")
+    gq, gk = randn(rng, q.shape, "bfloat16"), randn(rng, k.shape, "bfloat16")
+    want = expected_backward(gq, gk, q, k, wq, wk, nkw, rope_kw)
+    got = run_backward(gq, gk, q, k, wq, wk, nkw, rope_kw, "bfloat16")
+    for g, w, name in zip(got, want, ("dq", "dk", "dq_weight", "dk_weight")):
+        assert g.dtype == (np.float32 if "weight" in name else np_dtype("bfloat16")), name
+        assert_close(g, w, "bfloat16", f"{scope} fp32 weights {name}")
+    specs = [p.spec for p in norm_launch._plans.values()]
+    assert {(type(p), p.weight_dtype, p.pos_mode) for p in specs} == {
+        (norm_launch.NormFlatSpec, "float32", "explicit")} and len(specs) == 2
 
 
 @pytest.mark.parametrize("scope", SCOPES)

@@ -500,13 +500,14 @@ def qk_norm_rope():
 @case
 def qk_norm_rope_flat():
     """The fused norm's flat kernels (dense rows, implied positions): per
-    head with 4 rows a thread and with 1 (a partial last warp), per token
+    head with 4 rows a thread and with 1 (a warp partly past the rows), per token
     over several warps a token; forward and backward; in place on a packed
     qkv (explicit positions, rows apart by a gap)."""
-    from cupy_rope import qk_norm
+    from cupy_rope import norm_launch, qk_norm
 
     n = 0
     cases = (("bfloat16", "head", "w", 128, False, (3, 9, 16, 8)),
+             ("bfloat16", "head", "1+w", 128, True, (1, 3, 5, 3)),
              ("float32", "head", "1+w", 64, True, (2, 7, 5, 3)),
              ("bfloat16", "token", "w", 128, False, (2, 5, 40, 40)),
              ("float32", "token", "none", 64, True, (3, 1, 8, 8)))
@@ -517,7 +518,10 @@ def qk_norm_rope_flat():
         kw = dict(cos=cos, sin=sin, interleaved=interleaved, norm_scope=scope, weight_mode=mode)
         q, k = normal((b, s, hq, d), dtype), normal((b, s, hk, d), dtype)
         name = f"norm flat {scope} {mode} d{d} {hq}/{hk} heads"
+        norm_launch._plans.clear()
         run(name, qk_norm.apply_qk_norm_rope, dtype, [q, k, wq, wk], kw)
+        assert all(isinstance(p.spec, norm_launch.NormFlatSpec)  # not norm_rope_kernel
+                   for p in norm_launch._plans.values()), name
         grads = [normal((b, s, hq, d), dtype), normal((b, s, hk, d), dtype)]
         _norm_backward(f"{name} backward", dtype, grads + [q, k, wq, wk], kw)
         n += 2
