@@ -64,6 +64,32 @@ struct FlatRow {
 
 constexpr unsigned FULL_WARP = 0xffffffffu;
 
+// This lane's packet of its row and its NeoX partner (GPT-J: itself).
+struct FlatLane {
+  int pk;            // the packet's index in its row
+  bool first_half;   // NeoX: a packet of the row's first half (GPT-J: true)
+  int partner_lane;  // NeoX: the lane of the partner packet
+};
+
+template <class R, bool INTERLEAVED>
+__device__ __forceinline__ FlatLane flat_lane(unsigned lane) {
+  const int pk = static_cast<int>(lane % R::PACKETS);
+  const bool first_half = INTERLEAVED || pk < R::HALF;
+  return FlatLane{pk, first_half, static_cast<int>(lane) + (first_half ? R::HALF : -R::HALF)};
+}
+
+// A token's HEADS rows on WARPS warps (scope "token"): warp w holds heads
+// (w * U + u) * PASS_ROWS + lane / PACKETS, u < U.
+template <class R, int U, int HEADS, int MAX_THREADS>
+struct TokenRows {
+  static constexpr int WARPS = HEADS / (R::PASS_ROWS * U);
+  static_assert(HEADS % (R::PASS_ROWS * U) == 0, "a token fills whole warps");
+  static_assert(WARPS * 32 <= MAX_THREADS, "a token within one block");
+  __device__ static __forceinline__ unsigned head0(unsigned token_warp, unsigned lane) {
+    return token_warp * (R::PASS_ROWS * U) + lane / R::PACKETS;
+  }
+};
+
 // sum + the squares of v, in order (an item's chain of norm_rope_kernel).
 template <int N>
 __device__ __forceinline__ float squares(const float (&v)[N], float sum) {
@@ -156,14 +182,61 @@ __device__ __forceinline__ void packet_angles(const FlatParams& p, i64 pos, int 
   load_row<AngleT, R::FREQS, false>(p.sin, pos * p.sin_stride_row + f0, 1, s);
 }
 
-// This block's slab and its weight (compile-time indices, as flat_block).
-template <int SLABS, typename WT>
-__device__ __forceinline__ const WT* slab_weight(const NormFlatParams& p, int index) {
-  const WT* weight = nullptr;
+// The entry of this block's slab in a per-slab array of the parameters
+// (compile-time indices, as flat_block).
+template <int SLABS, typename S>
+__device__ __forceinline__ S slab_entry(const S (&entries)[MAX_SLABS], int index) {
+  S entry = entries[0];
 #pragma unroll
-  for (int i = 0; i < SLABS; ++i)
-    if (i == index) weight = static_cast<const WT*>(p.norm[i].weight);
-  return weight;
+  for (int i = 1; i < SLABS; ++i)
+    if (i == index) entry = entries[i];
+  return entry;
+}
+
+// This lane's part of a row's sum x^2 and sum dn * x (dn = g * w'), added
+// to sq and dot.
+template <int VEC>
+__device__ __forceinline__ void backward_sums(const float (&xf)[VEC], const float (&g)[VEC],
+                                              const float (&wv)[VEC], float& sq, float& dot) {
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    sq = fmaf(xf[e], xf[e], sq);
+    dot = fmaf(g[e] * wv[e], xf[e], dot);
+  }
+}
+
+// dx = rstd * (dn - x_hat * mdot), mdot = mean(dn * x_hat); with
+// `accumulate`, the weight gradient's dw += g * x_hat.
+template <int VEC>
+__device__ __forceinline__ void input_gradient(const float (&xf)[VEC], const float (&g)[VEC],
+                                               const float (&wv)[VEC], float rstd, float mdot,
+                                               bool accumulate, float (&dx)[VEC],
+                                               float (&dw)[VEC]) {
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    const float x_hat = xf[e] * rstd;
+    dx[e] = rstd * fmaf(-x_hat, mdot, g[e] * wv[e]);
+    if (accumulate) dw[e] = fmaf(g[e], x_hat, dw[e]);
+  }
+}
+
+// The block's weight-gradient sums per channel into its partial row: the
+// threads holding the same channels (equal lane % PACKETS) added in thread
+// order by one thread each (scope "head"; FLAT_THREADS threads).
+template <class R>
+__device__ __forceinline__ void write_partial_row(const float (&dw)[R::VEC], float* partial) {
+  __shared__ float sums[R::VEC][FLAT_THREADS];
+#pragma unroll
+  for (int e = 0; e < R::VEC; ++e) sums[e][threadIdx.x] = dw[e];
+  __syncthreads();
+  if (threadIdx.x < R::PACKETS) {
+#pragma unroll
+    for (int e = 0; e < R::VEC; ++e) {
+      float t = 0.f;
+      for (int j = threadIdx.x; j < FLAT_THREADS; j += R::PACKETS) t += sums[e][j];
+      partial[threadIdx.x * R::VEC + e] = t;
+    }
+  }
 }
 
 // Blocks per SM asked of the compiler (scope "head"): flat_kernel's for one
@@ -190,18 +263,16 @@ __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_min_blocks<U>())
   static_assert(U >= 1 && U <= 4, "rows per thread");
   const FlatBlock blk = flat_block<SLABS>(p);
   const FlatSlab& sl = blk.s;
-  const WT* weight = slab_weight<SLABS, WT>(p, blk.index);
-  FlatGap gap = p.gap[0];
-#pragma unroll
-  for (int i = 1; i < SLABS; ++i)
-    if (i == blk.index) gap = p.gap[i];
+  const WT* weight = static_cast<const WT*>(slab_entry<SLABS>(p.norm, blk.index).weight);
+  const FlatGap gap = slab_entry<SLABS>(p.gap, blk.index);
   const unsigned lane = threadIdx.x & 31u;
   const unsigned begin = SLABS == 1 ? 0u : static_cast<unsigned>(sl.block_begin);
   const unsigned warp = (blockIdx.x - begin) * (FLAT_THREADS / 32) + threadIdx.x / 32u;
   const unsigned rows = static_cast<unsigned>(sl.rows);
   if (warp * (R::PASS_ROWS * U) >= rows) return;  // the last block's spare warps (warp-uniform)
   const unsigned row0 = warp * (R::PASS_ROWS * U) + lane / R::PACKETS;
-  const int pk = static_cast<int>(lane % R::PACKETS);
+  const FlatLane fl = flat_lane<R, INTERLEAVED>(lane);
+  const int pk = fl.pk;
 
   // Lanes past the last row load nothing but still take part in the shuffles.
   Packet<T, R::VEC> raw[U];
@@ -217,27 +288,24 @@ __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_min_blocks<U>())
   Packet<WT, R::VEC> wraw{};
   if (WEIGHT != WEIGHT_NONE) wraw = load_raw<WT, R::VEC>(weight + pk * R::VEC, 1);
   const FlatPosition fp = flat_position<POS_MODE>(p, sl, row0, row0 < rows);
-  const bool first_half = INTERLEAVED || pk < R::HALF;
-  const int partner_lane = static_cast<int>(lane) + (first_half ? R::HALF : -R::HALF);
 
   float rstd[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const float sum =
-        lane_sum<R::ITEM_LANES>(item_squares<R, INTERLEAVED>(raw[u], first_half, partner_lane),
-                                FULL_WARP);
+    const float own = item_squares<R, INTERLEAVED>(raw[u], fl.first_half, fl.partner_lane);
+    const float sum = lane_sum<R::ITEM_LANES>(own, FULL_WARP);
     rstd[u] = 1.f / sqrtf(sum / static_cast<float>(HEAD_DIM) + p.eps);
     forget(raw[u]);  // converted again below rather than held as floats
   }
   // The angles, asked for once x is here (as flat_kernel's LATE_TABLES).
   float c[R::FREQS], s[R::FREQS], wv[R::VEC];
-  packet_angles<R, INTERLEAVED, AngleT>(p, fp.pos, pk, first_half, c, s);
+  packet_angles<R, INTERLEAVED, AngleT>(p, fp.pos, pk, fl.first_half, c, s);
   weight_values<WEIGHT>(wraw, false, wv);
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const unsigned row = row0 + u * R::PASS_ROWS;
     normalize_rotate_store<R, INTERLEAVED, ROUND_BEFORE>(
-        raw[u], rstd[u], wv, c, s, fp.inside, first_half, partner_lane,
+        raw[u], rstd[u], wv, c, s, fp.inside, fl.first_half, fl.partner_lane,
         static_cast<T*>(blk.out) + row_offset<GAPPED>(row, HEAD_DIM, gap) + pk * R::VEC,
         row < rows);
   }
@@ -271,18 +339,14 @@ __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_backward_min_blocks<U>
   constexpr int GROUP = R::PASS_ROWS * U;  // rows of a warp's group
   const FlatBlock blk = flat_block<SLABS>(p);
   const FlatSlab& sl = blk.s;
-  NormSlab ns = p.norm[0];
-#pragma unroll
-  for (int i = 1; i < SLABS; ++i)
-    if (i == blk.index) ns = p.norm[i];
+  const NormSlab ns = slab_entry<SLABS>(p.norm, blk.index);
   const WT* weight = static_cast<const WT*>(ns.weight);
   const unsigned lane = threadIdx.x & 31u;
   const unsigned begin = SLABS == 1 ? 0u : static_cast<unsigned>(sl.block_begin);
   const unsigned warps = static_cast<unsigned>(ns.blocks) * (FLAT_THREADS / 32);
   const unsigned rows = static_cast<unsigned>(sl.rows);
-  const int pk = static_cast<int>(lane % R::PACKETS);
-  const bool first_half = INTERLEAVED || pk < R::HALF;
-  const int partner_lane = static_cast<int>(lane) + (first_half ? R::HALF : -R::HALF);
+  const FlatLane fl = flat_lane<R, INTERLEAVED>(lane);
+  const int pk = fl.pk;
   Packet<WT, R::VEC> wraw{};
   if (WEIGHT != WEIGHT_NONE) wraw = load_raw<WT, R::VEC>(weight + pk * R::VEC, 1);
   float dw[R::VEC];
@@ -307,7 +371,7 @@ __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_backward_min_blocks<U>
     }
     const FlatPosition fp = flat_position<POS_MODE>(p, sl, row0, row0 < rows);
     float c[R::FREQS], s[R::FREQS], wv[R::VEC];
-    packet_angles<R, INTERLEAVED, AngleT>(p, fp.pos, pk, first_half, c, s);
+    packet_angles<R, INTERLEAVED, AngleT>(p, fp.pos, pk, fl.first_half, c, s);
     weight_values<WEIGHT>(wraw, false, wv);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -315,58 +379,33 @@ __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_backward_min_blocks<U>
       // g = dy rotated by -theta (NaN outside the table, as the forward).
       float g[R::VEC], xf[R::VEC];
       to_floats(dy[u], g);
-      rotate_packet<R, INTERLEAVED>(dy[u], g, c, s, sign, fp.inside, first_half, partner_lane);
+      rotate_packet<R, INTERLEAVED>(dy[u], g, c, s, sign, fp.inside, fl.first_half,
+                                    fl.partner_lane);
       to_floats(x[u], xf);
-      float sq = 0.f, dot = 0.f;  // this lane's part of sum x^2 and sum dn * x
-#pragma unroll
-      for (int e = 0; e < R::VEC; ++e) {
-        sq = fmaf(xf[e], xf[e], sq);
-        dot = fmaf(g[e] * wv[e], xf[e], dot);
-      }
+      float sq = 0.f, dot = 0.f;
+      backward_sums(xf, g, wv, sq, dot);
       sq = lane_sum<R::PACKETS>(sq, FULL_WARP);
       dot = lane_sum<R::PACKETS>(dot, FULL_WARP);
       const float rstd = 1.f / sqrtf(sq / static_cast<float>(HEAD_DIM) + p.eps);
-      const float mdot = rstd * (dot / static_cast<float>(HEAD_DIM));  // mean(dn * x_hat)
+      const float mdot = rstd * (dot / static_cast<float>(HEAD_DIM));
       const bool live = row < rows;
       float dx[R::VEC];
-#pragma unroll
-      for (int e = 0; e < R::VEC; ++e) {
-        const float x_hat = xf[e] * rstd;
-        dx[e] = rstd * fmaf(-x_hat, mdot, g[e] * wv[e]);
-        if (WGRAD && live) dw[e] = fmaf(g[e], x_hat, dw[e]);
-      }
+      input_gradient(xf, g, wv, rstd, mdot, WGRAD && live, dx, dw);
       if (live)
         store<T, R::VEC>(static_cast<T*>(blk.out) + static_cast<i64>(row) * HEAD_DIM +
                              pk * R::VEC,
                          1, dx);
     }
   }
-  if constexpr (WGRAD) {
-    // The block's sums per channel: the threads holding the same channels
-    // (equal lane % PACKETS), added in thread order by one thread each.
-    __shared__ float sums[R::VEC][FLAT_THREADS];
-#pragma unroll
-    for (int e = 0; e < R::VEC; ++e) sums[e][threadIdx.x] = dw[e];
-    __syncthreads();
-    if (threadIdx.x < R::PACKETS) {
-      float* partial = ns.weight_partial + static_cast<i64>(blockIdx.x - begin) * HEAD_DIM +
-                       pk * R::VEC;
-#pragma unroll
-      for (int e = 0; e < R::VEC; ++e) {
-        float t = 0.f;
-        for (int j = threadIdx.x; j < FLAT_THREADS; j += R::PACKETS) t += sums[e][j];
-        partial[e] = t;
-      }
-    }
-  }
+  if constexpr (WGRAD)
+    write_partial_row<R>(dw, ns.weight_partial + static_cast<i64>(blockIdx.x - begin) * HEAD_DIM);
 }
 
 // Most threads of a scope-"token" block (its launch bounds).
 constexpr int NORM_FLAT_TOKEN_THREADS = 1024;
 
 // Scope "token": a token's HEADS rows are adjacent in memory (heads
-// innermost) and held by TOKEN_WARPS = HEADS / (PASS_ROWS * U) warps of the
-// block, warp w taking heads (w * U + u) * PASS_ROWS + (lane / PACKETS); a
+// innermost) and held by TOKEN_WARPS warps of the block (TokenRows); a
 // block holds blockDim.x / (32 * TOKEN_WARPS) tokens. A token's sum: each
 // lane's item sums over its U rows, the butterfly over the warp, then the
 // token's warp sums in warp order, through shared memory.
@@ -375,15 +414,14 @@ template <typename T, typename AngleT, typename WT, int HEAD_DIM, bool INTERLEAV
 __global__ void __launch_bounds__(NORM_FLAT_TOKEN_THREADS)
     norm_flat_token_kernel(const NormFlatParams p) {
   using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
-  constexpr int TOKEN_WARPS = HEADS / (R::PASS_ROWS * U);
-  static_assert(HEADS % (R::PASS_ROWS * U) == 0, "a token fills whole warps");
-  static_assert(TOKEN_WARPS * 32 <= NORM_FLAT_TOKEN_THREADS, "a token within one block");
+  using Token = TokenRows<R, U, HEADS, NORM_FLAT_TOKEN_THREADS>;
+  constexpr int TOKEN_WARPS = Token::WARPS;
   static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
   static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
   __shared__ float warp_sums[NORM_FLAT_TOKEN_THREADS / 32];
   const FlatBlock blk = flat_block<SLABS>(p);
   const FlatSlab& sl = blk.s;
-  const WT* weight = slab_weight<SLABS, WT>(p, blk.index);
+  const WT* weight = static_cast<const WT*>(slab_entry<SLABS>(p.norm, blk.index).weight);
   const unsigned lane = threadIdx.x & 31u;
   const unsigned begin = SLABS == 1 ? 0u : static_cast<unsigned>(sl.block_begin);
   const unsigned block_warp = threadIdx.x / 32u;
@@ -392,8 +430,9 @@ __global__ void __launch_bounds__(NORM_FLAT_TOKEN_THREADS)
   const unsigned token = (blockIdx.x - begin) * tokens_a_block + block_warp / TOKEN_WARPS;
   const unsigned rows = static_cast<unsigned>(sl.rows);
   const bool live = token * HEADS < rows;  // every thread reaches the barrier
-  const int pk = static_cast<int>(lane % R::PACKETS);
-  const unsigned head0 = token_warp * (R::PASS_ROWS * U) + lane / R::PACKETS;
+  const FlatLane fl = flat_lane<R, INTERLEAVED>(lane);
+  const int pk = fl.pk;
+  const unsigned head0 = Token::head0(token_warp, lane);
   const unsigned row0 = token * HEADS + head0;
 
   Packet<T, R::VEC> raw[U];
@@ -407,12 +446,10 @@ __global__ void __launch_bounds__(NORM_FLAT_TOKEN_THREADS)
                                    1);
   }
   const FlatPosition fp = flat_position<POS_MODE>(p, sl, row0, live);
-  const bool first_half = INTERLEAVED || pk < R::HALF;
-  const int partner_lane = static_cast<int>(lane) + (first_half ? R::HALF : -R::HALF);
   float sum = 0.f;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    sum += item_squares<R, INTERLEAVED>(raw[u], first_half, partner_lane);
+    sum += item_squares<R, INTERLEAVED>(raw[u], fl.first_half, fl.partner_lane);
     forget(raw[u]);
   }
   // Each item is counted by the lanes that share it (NeoX: both partners),
@@ -430,7 +467,7 @@ __global__ void __launch_bounds__(NORM_FLAT_TOKEN_THREADS)
   const float rstd = 1.f / sqrtf(token_sum / static_cast<float>(HEADS * HEAD_DIM) + p.eps);
 
   float c[R::FREQS], s[R::FREQS];
-  packet_angles<R, INTERLEAVED, AngleT>(p, fp.pos, pk, first_half, c, s);
+  packet_angles<R, INTERLEAVED, AngleT>(p, fp.pos, pk, fl.first_half, c, s);
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const unsigned head = head0 + u * R::PASS_ROWS;
@@ -440,11 +477,28 @@ __global__ void __launch_bounds__(NORM_FLAT_TOKEN_THREADS)
     float wv[R::VEC];
     weight_values<WEIGHT>(wraw, false, wv);
     normalize_rotate_store<R, INTERLEAVED, ROUND_BEFORE>(
-        raw[u], rstd, wv, c, s, fp.inside, first_half, partner_lane,
+        raw[u], rstd, wv, c, s, fp.inside, fl.first_half, fl.partner_lane,
         static_cast<T*>(blk.out) + static_cast<i64>(row0 + u * R::PASS_ROWS) * HEAD_DIM +
             pk * R::VEC,
         live);
   }
+}
+
+// A token's two backward sums (x^2 and dn * x; a block is one token): the
+// warp's butterfly, then the token's warp sums in warp order, the same on
+// every thread.
+template <int TOKEN_WARPS>
+__device__ __forceinline__ void token_sums(float& sq, float& dot,
+                                           float (&warp_sums)[2][TOKEN_WARPS],
+                                           unsigned token_warp, unsigned lane) {
+  sq = lane_sum<32>(sq, FULL_WARP);
+  dot = lane_sum<32>(dot, FULL_WARP);
+  if (lane == 0) warp_sums[0][token_warp] = sq, warp_sums[1][token_warp] = dot;
+  __syncthreads();
+  sq = 0.f, dot = 0.f;
+#pragma unroll
+  for (int w = 0; w < TOKEN_WARPS; ++w) sq += warp_sums[0][w], dot += warp_sums[1][w];
+  __syncthreads();  // read before the next token's sums are written
 }
 
 // Most threads of a scope-"token" backward block (its launch bounds: a
@@ -463,33 +517,24 @@ template <typename T, typename AngleT, typename WT, int HEAD_DIM, bool INTERLEAV
 __global__ void __launch_bounds__(NORM_FLAT_TOKEN_BACKWARD_THREADS)
     norm_flat_token_backward_kernel(const NormFlatParams p) {
   using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
-  constexpr int TOKEN_WARPS = HEADS / (R::PASS_ROWS * U);
-  static_assert(HEADS % (R::PASS_ROWS * U) == 0, "a token fills whole warps");
-  static_assert(TOKEN_WARPS * 32 <= NORM_FLAT_TOKEN_BACKWARD_THREADS, "a token within a block");
+  using Token = TokenRows<R, U, HEADS, NORM_FLAT_TOKEN_BACKWARD_THREADS>;
+  constexpr int TOKEN_WARPS = Token::WARPS;
   static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
   static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
   __shared__ float warp_sums[2][TOKEN_WARPS];
   const FlatBlock blk = flat_block<SLABS>(p);
   const FlatSlab& sl = blk.s;
-  NormSlab ns = p.norm[0];
-#pragma unroll
-  for (int i = 1; i < SLABS; ++i)
-    if (i == blk.index) ns = p.norm[i];
+  const NormSlab ns = slab_entry<SLABS>(p.norm, blk.index);
   const WT* weight = static_cast<const WT*>(ns.weight);
   const unsigned lane = threadIdx.x & 31u;
   const unsigned begin = SLABS == 1 ? 0u : static_cast<unsigned>(sl.block_begin);
   const unsigned token_warp = threadIdx.x / 32u;
   const unsigned tokens = static_cast<unsigned>(sl.rows) / HEADS;
-  const int pk = static_cast<int>(lane % R::PACKETS);
-  const unsigned head0 = token_warp * (R::PASS_ROWS * U) + lane / R::PACKETS;
-  const bool first_half = INTERLEAVED || pk < R::HALF;
-  const int partner_lane = static_cast<int>(lane) + (first_half ? R::HALF : -R::HALF);
+  const FlatLane fl = flat_lane<R, INTERLEAVED>(lane);
+  const int pk = fl.pk;
+  const unsigned head0 = Token::head0(token_warp, lane);
   const float sign = p.sin_sign;  // -1: the rotation by -theta
-  float dw[U][R::VEC];
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-#pragma unroll
-    for (int e = 0; e < R::VEC; ++e) dw[u][e] = 0.f;
+  float dw[U][R::VEC] = {};
 
   for (unsigned token = blockIdx.x - begin; token < tokens;
        token += static_cast<unsigned>(ns.blocks)) {  // block-uniform
@@ -503,9 +548,9 @@ __global__ void __launch_bounds__(NORM_FLAT_TOKEN_BACKWARD_THREADS)
     }
     const FlatPosition fp = flat_position<POS_MODE>(p, sl, row0, true);
     float c[R::FREQS], s[R::FREQS];
-    packet_angles<R, INTERLEAVED, AngleT>(p, fp.pos, pk, first_half, c, s);
+    packet_angles<R, INTERLEAVED, AngleT>(p, fp.pos, pk, fl.first_half, c, s);
     float g[U][R::VEC], wv[U][R::VEC];
-    float sq = 0.f, dot = 0.f;  // this thread's part of sum x^2 and sum dn * x
+    float sq = 0.f, dot = 0.f;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       Packet<WT, R::VEC> wraw{};
@@ -514,36 +559,21 @@ __global__ void __launch_bounds__(NORM_FLAT_TOKEN_BACKWARD_THREADS)
             weight + static_cast<i64>(head0 + u * R::PASS_ROWS) * HEAD_DIM + pk * R::VEC, 1);
       weight_values<WEIGHT>(wraw, false, wv[u]);
       to_floats(dy[u], g[u]);
-      rotate_packet<R, INTERLEAVED>(dy[u], g[u], c, s, sign, fp.inside, first_half, partner_lane);
+      rotate_packet<R, INTERLEAVED>(dy[u], g[u], c, s, sign, fp.inside, fl.first_half,
+                                    fl.partner_lane);
       float xf[R::VEC];
       to_floats(x[u], xf);
-#pragma unroll
-      for (int e = 0; e < R::VEC; ++e) {
-        sq = fmaf(xf[e], xf[e], sq);
-        dot = fmaf(g[u][e] * wv[u][e], xf[e], dot);
-      }
+      backward_sums(xf, g[u], wv[u], sq, dot);
     }
-    sq = lane_sum<32>(sq, FULL_WARP);
-    dot = lane_sum<32>(dot, FULL_WARP);
-    if (lane == 0) warp_sums[0][token_warp] = sq, warp_sums[1][token_warp] = dot;
-    __syncthreads();
-    float t_sq = 0.f, t_dot = 0.f;
-#pragma unroll
-    for (int w = 0; w < TOKEN_WARPS; ++w) t_sq += warp_sums[0][w], t_dot += warp_sums[1][w];
-    __syncthreads();  // read before the next token's sums are written
+    token_sums(sq, dot, warp_sums, token_warp, lane);
     constexpr float N_ROW = static_cast<float>(HEADS * HEAD_DIM);
-    const float rstd = 1.f / sqrtf(t_sq / N_ROW + p.eps);
-    const float mdot = rstd * (t_dot / N_ROW);  // mean(dn * x_hat)
+    const float rstd = 1.f / sqrtf(sq / N_ROW + p.eps);
+    const float mdot = rstd * (dot / N_ROW);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float xf[R::VEC], dx[R::VEC];
       to_floats(x[u], xf);
-#pragma unroll
-      for (int e = 0; e < R::VEC; ++e) {
-        const float x_hat = xf[e] * rstd;
-        dx[e] = rstd * fmaf(-x_hat, mdot, g[u][e] * wv[u][e]);
-        if constexpr (WGRAD) dw[u][e] = fmaf(g[u][e], x_hat, dw[u][e]);
-      }
+      input_gradient(xf, g[u], wv[u], rstd, mdot, WGRAD, dx, dw[u]);
       store<T, R::VEC>(static_cast<T*>(blk.out) +
                            static_cast<i64>(row0 + u * R::PASS_ROWS) * HEAD_DIM + pk * R::VEC,
                        1, dx);
