@@ -339,7 +339,12 @@ __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_backward_min_blocks<U>
   constexpr int GROUP = R::PASS_ROWS * U;  // rows of a warp's group
   const FlatBlock blk = flat_block<SLABS>(p);
   const FlatSlab& sl = blk.s;
-  const NormSlab ns = slab_entry<SLABS>(p.norm, blk.index);
+  // Picked here, not through slab_entry: as a helper's result the backward
+  // compiles to a schedule with fewer loads in flight (docs/performance.md).
+  NormSlab ns = p.norm[0];
+#pragma unroll
+  for (int i = 1; i < SLABS; ++i)
+    if (i == blk.index) ns = p.norm[i];
   const WT* weight = static_cast<const WT*>(ns.weight);
   const unsigned lane = threadIdx.x & 31u;
   const unsigned begin = SLABS == 1 ? 0u : static_cast<unsigned>(sl.block_begin);
@@ -524,7 +529,12 @@ __global__ void __launch_bounds__(NORM_FLAT_TOKEN_BACKWARD_THREADS)
   __shared__ float warp_sums[2][TOKEN_WARPS];
   const FlatBlock blk = flat_block<SLABS>(p);
   const FlatSlab& sl = blk.s;
-  const NormSlab ns = slab_entry<SLABS>(p.norm, blk.index);
+  // Picked here, not through slab_entry: as a helper's result the backward
+  // compiles to a schedule with fewer loads in flight (docs/performance.md).
+  NormSlab ns = p.norm[0];
+#pragma unroll
+  for (int i = 1; i < SLABS; ++i)
+    if (i == blk.index) ns = p.norm[i];
   const WT* weight = static_cast<const WT*>(ns.weight);
   const unsigned lane = threadIdx.x & 31u;
   const unsigned begin = SLABS == 1 ? 0u : static_cast<unsigned>(sl.block_begin);
