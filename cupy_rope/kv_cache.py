@@ -246,14 +246,22 @@ def _check_scale(scale, name: str, needed: bool, what: str, device: tuple):
     return t
 
 
+#: The smallest scale the kernel stores exactly as torch does: it flushes
+#: subnormal floats to zero (CuPy compiles with -ftz=true), which changes no
+#: FP8 code while x / scale of a subnormal x stays below half the smallest
+#: FP8 step (2^-17, e5m2).
+FP8_MIN_SCALE = 2.0 ** -109
+
+
 def _check_scale_value(value: float, name: str) -> None:
-    """The kernel divides by the scale in float32: it must be positive and
-    finite there, not only in float64."""
+    """The kernel divides by the scale in float32: it must be finite there,
+    not only in float64, and at least FP8_MIN_SCALE."""
     with np.errstate(over="ignore"):
         as_f32 = float(np.float32(value)) if np.isfinite(value) else value
-    if not (np.isfinite(as_f32) and as_f32 > 0):
-        raise ValueError(f"{name}: expected a positive scale that float32 holds "
-                         f"(finite, not 0), got {value}")
+    if not (np.isfinite(as_f32) and as_f32 >= FP8_MIN_SCALE):
+        raise ValueError(f"{name}: expected a float32 scale from 2^-109 ({FP8_MIN_SCALE:.3g}; "
+                         f"the kernel flushes subnormal floats) to its largest finite value, "
+                         f"got {value}")
 
 
 def _v_slab(v, call: Call, head_dim) -> Slab:

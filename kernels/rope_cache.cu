@@ -20,7 +20,8 @@
 // to the format's finite range: what torch gives for
 // (x.float() / scale).clamp(-max, max).to(float8) with the scale a float32
 // tensor (torch divides a CUDA tensor by a Python float as a product with
-// its reciprocal, which can round differently).
+// its reciprocal, which can round differently). The quotient comes from the
+// scale's reciprocal and one correction (fp8_quotients), not a division.
 //
 // Thread layout (cupy_rope/kv_cache.py picks the sizes):
 //   threadIdx.x: an item of a head row: items [0, ROT_ITEMS) each handle
@@ -80,6 +81,49 @@ struct CacheParams : Params {
   float eps;            // NORM: added to the mean square
 };
 
+// The quotients x / scale of an FP8 store. IEEE division is a branchy
+// sequence per element, the whole cost of FP8 over bf16 in a decode step;
+// instead a thread takes r = rn(1 / scale) once, and per element q0 = rn(x r)
+// is corrected once by its residual (Markstein): fma(fma(-q0, scale, x), r,
+// q0). With the scale in [FP8_SCALE_MIN, FP8_SCALE_MAX] and |q0| in
+// [FP8_QUOTIENT_MIN, FP8_QUOTIENT_MAX] every step is a normal float and the
+// result is the IEEE quotient (every pair of mantissas checked; the bounds
+// are read by tests/test_fp8_quotient.py). A smaller |q0| stores a zero of
+// q0's sign and a larger one (inf, NaN) saturates or stays NaN, as the IEEE
+// quotient would; a scale outside the bounds (a device scale is unchecked)
+// divides.
+constexpr float FP8_SCALE_MIN = 0x1p-32f;
+constexpr float FP8_SCALE_MAX = 0x1p+32f;
+constexpr float FP8_QUOTIENT_MIN = 0x1p-64f;
+constexpr float FP8_QUOTIENT_MAX = 0x1p+64f;
+static_assert(FP8_QUOTIENT_MIN * 0x1p-23f * FP8_SCALE_MIN >= 0x1p-126f &&
+                  FP8_QUOTIENT_MAX * FP8_SCALE_MAX <= 0x1p+127f,
+              "within the bounds, the residual and x stay normal floats");
+
+// An FP8 output's rn(1 / scale), or 0 where the scale is outside the bounds
+// (then the store divides). Plain floats, not a struct: a thread keeps one
+// per output, and an array of structs selected at run time went to local
+// memory.
+__device__ __forceinline__ float fp8_recip(float scale) {
+  return scale >= FP8_SCALE_MIN && scale <= FP8_SCALE_MAX ? __frcp_rn(scale) : 0.0f;
+}
+
+// x[i] / scale in place, as described above (the branch is uniform).
+template <int N>
+__device__ __forceinline__ void fp8_quotients(float (&x)[N], float scale, float recip) {
+  if (recip != 0.0f) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float q0 = __fmul_rn(x[i], recip);  // never contracted into an fma
+      const float q = fmaf(fmaf(-q0, scale, x[i]), recip, q0);
+      x[i] = fabsf(q0) <= FP8_QUOTIENT_MAX ? copysignf(q, q0) : q0;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = x[i] / scale;
+  }
+}
+
 // FP8 without the sm_89 conversion instructions: round to nearest even,
 // saturated to the largest finite value; NaN stays NaN.
 template <int FORMAT>
@@ -129,19 +173,21 @@ template <typename T, int FORMAT>
 using Stored = typename StoredType<T, FORMAT>::type;
 
 // Store N floats (results for an output of x's type T) at p in FORMAT: T
-// rounds once; FP8 rounds to T, divides by `scale`, then converts.
+// rounds once; FP8 rounds to T, divides by the scale, then converts.
 template <typename T, int FORMAT, int N, bool STRIDED>
 __device__ __forceinline__ void put(Stored<T, FORMAT>* p, i64 stride, const float (&v)[N],
-                                   float scale) {
+                                   float scale, float recip) {
   if constexpr (FORMAT == SAME) {
     store<T, N, STRIDED>(p, stride, v);
   } else {
+    float x[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = to_float(from_float<T>(v[i]));
+    fp8_quotients(x, scale, recip);
     Packet<unsigned char, N> pk;
 #pragma unroll
     for (int i = 0; i < N; i += 2) {
-      const float lo = to_float(from_float<T>(v[i])) / scale;
-      const float hi = i + 1 < N ? to_float(from_float<T>(v[i + 1])) / scale : 0.0f;
-      const unsigned b = fp8x2<FORMAT>(lo, hi);
+      const unsigned b = fp8x2<FORMAT>(x[i], i + 1 < N ? x[i + 1] : 0.0f);
       pk.v[i] = static_cast<unsigned char>(b & 0xffu);
       if (i + 1 < N) pk.v[i + 1] = static_cast<unsigned char>(b >> 8);
     }
@@ -152,13 +198,13 @@ __device__ __forceinline__ void put(Stored<T, FORMAT>* p, i64 stride, const floa
 // Store N elements of T as they were loaded (v, tails) in FORMAT.
 template <typename T, int FORMAT, int N, bool STRIDED>
 __device__ __forceinline__ void put_raw(Stored<T, FORMAT>* p, i64 stride, const Packet<T, N>& pk,
-                                        float scale) {
+                                        float scale, float recip) {
   if constexpr (FORMAT == SAME) {
     store_raw<T, N, STRIDED>(p, stride, pk);
   } else {
     float v[N];
     to_floats(pk, v);
-    put<T, FORMAT, N, STRIDED>(p, stride, v, scale);
+    put<T, FORMAT, N, STRIDED>(p, stride, v, scale, recip);
   }
 }
 
@@ -180,7 +226,7 @@ struct TokenRows {
   i64 q_head, q_dim;
   Stored<T, CACHE_FORMAT>* kv_dst[2];
   i64 kv_head[2], kv_dim[2];
-  float scale[3];
+  float scale[3], recip[3];  // FP8 outputs: the scale and fp8_recip of it
   int hq, n_rot;
   bool write_kv;  // the slot is valid: k and v are stored
 
@@ -204,13 +250,13 @@ struct TokenRows {
   __device__ __forceinline__ void put_floats(int h, int s, i64 ch, const float (&v)[N]) const {
     const int j = local(h, s);
     if (s == 0) {
-      put<T, Q_FORMAT, N, STRIDED>(q_dst + j * q_head + ch * q_dim, q_dim, v, scale[0]);
+      put<T, Q_FORMAT, N, STRIDED>(q_dst + j * q_head + ch * q_dim, q_dim, v, scale[0], recip[0]);
     } else {
       const int c = s - 1;
       const i64 d = c ? kv_dim[1] : kv_dim[0];
       put<T, CACHE_FORMAT, N, STRIDED>((c ? kv_dst[1] : kv_dst[0]) +
                                            j * (c ? kv_head[1] : kv_head[0]) + ch * d,
-                                       d, v, c ? scale[2] : scale[1]);
+                                       d, v, c ? scale[2] : scale[1], c ? recip[2] : recip[1]);
     }
   }
 
@@ -219,13 +265,15 @@ struct TokenRows {
   __device__ __forceinline__ void put_packet(int h, int s, i64 ch, const Packet<T, N>& pk) const {
     const int j = local(h, s);
     if (s == 0) {
-      put_raw<T, Q_FORMAT, N, STRIDED>(q_dst + j * q_head + ch * q_dim, q_dim, pk, scale[0]);
+      put_raw<T, Q_FORMAT, N, STRIDED>(q_dst + j * q_head + ch * q_dim, q_dim, pk, scale[0],
+                                       recip[0]);
     } else {
       const int c = s - 1;
       const i64 d = c ? kv_dim[1] : kv_dim[0];
       put_raw<T, CACHE_FORMAT, N, STRIDED>((c ? kv_dst[1] : kv_dst[0]) +
                                                j * (c ? kv_head[1] : kv_head[0]) + ch * d,
-                                           d, pk, c ? scale[2] : scale[1]);
+                                           d, pk, c ? scale[2] : scale[1],
+                                           c ? recip[2] : recip[1]);
     }
   }
 };
@@ -253,6 +301,7 @@ __device__ __forceinline__ TokenRows<T, Q_FORMAT, CACHE_FORMAT, STRIDED> token_r
     r.src_head[s] = v.stride_head;
     r.src_dim[s] = STRIDED ? v.stride_dim : 1;
     r.scale[s] = p.scale_ptr[s] ? *p.scale_ptr[s] : p.scale[s];
+    r.recip[s] = fp8_recip(r.scale[s]);
   }
   const View& o = p.slab[0].out;
   r.q_dst = static_cast<Stored<T, Q_FORMAT>*>(p.out_data[0]) + outer * o.stride_outer +

@@ -284,6 +284,11 @@ BAD = {
                                    ValueError, "k_scale"),
     "v_scale-overflows-float32": ({**FP8_CACHES, "k_scale": 1.0, "v_scale": 1e60},
                                   ValueError, "v_scale"),
+    # the kernels flush subnormal floats: a scale below kv_cache.FP8_MIN_SCALE is refused
+    "k_scale-subnormal": ({**FP8_CACHES, "k_scale": 1e-40, "v_scale": 1.0}, ValueError,
+                          "k_scale"),
+    "v_scale-below-min": ({**FP8_CACHES, "k_scale": 1.0, "v_scale": 2.0 ** -110}, ValueError,
+                          "v_scale"),
     "k_scale-host-array-negative": ({**FP8_CACHES, "k_scale": np.array([-1.0], np.float32),
                                      "v_scale": 1.0}, ValueError, "k_scale"),
     "v_scale-host-array-nan": ({**FP8_CACHES, "k_scale": 1.0,

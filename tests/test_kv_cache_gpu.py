@@ -445,3 +445,44 @@ def test_prefill_launch_shape(rng, case, monkeypatch):
         shape = kv_cache.launch_shape(8, case.hq + 2 * case.hk, case.tokens, 132)
         assert shape.unroll == kv_cache.PREFILL_UNROLL
         _run_case(rng, case)
+
+
+FP8_SPECIALS = np.array([0.0, -0.0, 1e-45, -3e-45, 1e-39, -1e-38, 1e-30, -1e-20, 3e38, -3.4e38,
+                         np.inf, -np.inf, 1.0, -2.5, 31.0], np.float32)
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("scale", [0.07, 2.0 ** 40], ids=["0.07", "2^40"])
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_special_values_match_torch(rng, dtype, fmt, scale, where):
+    """v holding zeros of both signs, subnormals, tiny and huge values and
+    infinities among ordinary ones, with an ordinary scale and one outside
+    the corrected quotient's bounds (kernels/rope_cache.cu fp8_quotients),
+    as floats and as device tensors: the cached bytes are torch's conversion
+    of v / scale, and k's of the rotated k."""
+    import torch
+
+    t, hq, hk, d, bs = 16, 4, 2, 128, 16
+    v_h = (3 * rng.standard_normal((t, hk, d))).astype(np.float32)
+    at = rng.choice(v_h.size, 300, replace=False)
+    v_h.reshape(-1)[at] = rng.choice(FP8_SPECIALS, at.size)
+    tdt = getattr(torch, dtype)
+    v = torch.from_numpy(v_h).cuda().to(tdt)
+    q = torch.randn(t, hq, d, device="cuda", dtype=tdt)
+    k = torch.randn(t, hk, d, device="cuda", dtype=tdt)
+    inv = torch.from_numpy((1 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)).cuda()
+    pos = torch.arange(t, device="cuda")
+    k_cache = _poisoned((4, bs, hk, d), fmt, dtype, "torch")
+    v_cache = _poisoned((4, bs, hk, d), fmt, dtype, "torch")
+    poison = _cache_bytes(v_cache)
+    slots_h = rng.choice(4 * bs, t, replace=False).astype(np.int64)
+    s = scale if where == "host" else torch.tensor([scale], dtype=torch.float32, device="cuda")
+    _, k_rot = cupy_rope.apply_rope_qk(q, k, inv_freq=inv, positions=pos, layout="thd")
+    kv_cache.apply_rope_and_cache(q, k, v, k_cache, v_cache, torch.from_numpy(slots_h).cuda(),
+                                  inv_freq=inv, positions=pos, k_scale=s, v_scale=s)
+    torch.cuda.synchronize()
+    for cache, x in ((k_cache, k_rot), (v_cache, v)):
+        want = _fp8_like_torch(x, scale, fmt).reshape(t, hk, -1)
+        np.testing.assert_array_equal(_cache_bytes(cache),
+                                      _expected_cache(poison, slots_h, want, "NHD", bs))
