@@ -64,7 +64,7 @@ struct FlatRow {
 
 constexpr unsigned FULL_WARP = 0xffffffffu;
 
-// This lane's packet of its row and its NeoX partner (GPT-J: itself).
+// This lane's packet of its row and its NeoX partner (GPT-J needs none).
 struct FlatLane {
   int pk;            // the packet's index in its row
   bool first_half;   // NeoX: a packet of the row's first half (GPT-J: true)
@@ -81,7 +81,7 @@ __device__ __forceinline__ FlatLane flat_lane(unsigned lane) {
 // A token's HEADS rows on WARPS warps (scope "token"): warp w holds heads
 // (w * U + u) * PASS_ROWS + lane / PACKETS, u < U.
 template <class R, int U, int HEADS, int MAX_THREADS>
-struct TokenRows {
+struct TokenHeads {
   static constexpr int WARPS = HEADS / (R::PASS_ROWS * U);
   static_assert(HEADS % (R::PASS_ROWS * U) == 0, "a token fills whole warps");
   static_assert(WARPS * 32 <= MAX_THREADS, "a token within one block");
@@ -410,7 +410,7 @@ __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_backward_min_blocks<U>
 constexpr int NORM_FLAT_TOKEN_THREADS = 1024;
 
 // Scope "token": a token's HEADS rows are adjacent in memory (heads
-// innermost) and held by TOKEN_WARPS warps of the block (TokenRows); a
+// innermost) and held by TOKEN_WARPS warps of the block (TokenHeads); a
 // block holds blockDim.x / (32 * TOKEN_WARPS) tokens. A token's sum: each
 // lane's item sums over its U rows, the butterfly over the warp, then the
 // token's warp sums in warp order, through shared memory.
@@ -419,7 +419,7 @@ template <typename T, typename AngleT, typename WT, int HEAD_DIM, bool INTERLEAV
 __global__ void __launch_bounds__(NORM_FLAT_TOKEN_THREADS)
     norm_flat_token_kernel(const NormFlatParams p) {
   using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
-  using Token = TokenRows<R, U, HEADS, NORM_FLAT_TOKEN_THREADS>;
+  using Token = TokenHeads<R, U, HEADS, NORM_FLAT_TOKEN_THREADS>;
   constexpr int TOKEN_WARPS = Token::WARPS;
   static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
   static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
@@ -506,6 +506,19 @@ __device__ __forceinline__ void token_sums(float& sq, float& dot,
   __syncthreads();  // read before the next token's sums are written
 }
 
+// A block's weight-gradient partial row (scope "token"): every channel of
+// the token belongs to one thread, which writes its U packets' sums.
+template <class R, int U, int HEAD_DIM>
+__device__ __forceinline__ void write_token_partial(const float (&dw)[U][R::VEC], float* partial,
+                                                    unsigned head0, int pk) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int e = 0; e < R::VEC; ++e)
+      partial[static_cast<i64>(head0 + u * R::PASS_ROWS) * HEAD_DIM + pk * R::VEC + e] =
+          dw[u][e];
+}
+
 // Most threads of a scope-"token" backward block (its launch bounds: a
 // thread holds dy, x, g and its channels' weight-gradient sums).
 constexpr int NORM_FLAT_TOKEN_BACKWARD_THREADS = 512;
@@ -522,7 +535,7 @@ template <typename T, typename AngleT, typename WT, int HEAD_DIM, bool INTERLEAV
 __global__ void __launch_bounds__(NORM_FLAT_TOKEN_BACKWARD_THREADS)
     norm_flat_token_backward_kernel(const NormFlatParams p) {
   using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
-  using Token = TokenRows<R, U, HEADS, NORM_FLAT_TOKEN_BACKWARD_THREADS>;
+  using Token = TokenHeads<R, U, HEADS, NORM_FLAT_TOKEN_BACKWARD_THREADS>;
   constexpr int TOKEN_WARPS = Token::WARPS;
   static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
   static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
@@ -589,16 +602,10 @@ __global__ void __launch_bounds__(NORM_FLAT_TOKEN_BACKWARD_THREADS)
                        1, dx);
     }
   }
-  if constexpr (WGRAD) {
-    // Every channel of the token belongs to one thread of the block.
-    float* partial = ns.weight_partial + static_cast<i64>(blockIdx.x - begin) * HEADS * HEAD_DIM;
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int e = 0; e < R::VEC; ++e)
-        partial[static_cast<i64>(head0 + u * R::PASS_ROWS) * HEAD_DIM + pk * R::VEC + e] =
-            dw[u][e];
-  }
+  if constexpr (WGRAD)
+    write_token_partial<R, U, HEAD_DIM>(
+        dw, ns.weight_partial + static_cast<i64>(blockIdx.x - begin) * HEADS * HEAD_DIM, head0,
+        pk);
 }
 
 }  // namespace rope

@@ -86,9 +86,10 @@ struct CacheParams : Params {
 // instead a thread takes r = rn(1 / scale) once, and per element q0 = rn(x r)
 // is corrected once by its residual (Markstein): fma(fma(-q0, scale, x), r,
 // q0). With the scale in [FP8_SCALE_MIN, FP8_SCALE_MAX] and |q0| in
-// [FP8_QUOTIENT_MIN, FP8_QUOTIENT_MAX] every step is a normal float and the
-// result is the IEEE quotient (every pair of mantissas checked; the bounds
-// are read by tests/test_fp8_quotient.py). A smaller |q0| stores a zero of
+// [FP8_QUOTIENT_MIN, FP8_QUOTIENT_MAX], x and q0 are normal floats (a
+// residual may be subnormal, and flushed, only where q0 is already the
+// quotient) and the result is the IEEE quotient (every pair of mantissas
+// checked; tests/test_fp8_quotient.py reads the bounds and this code). A smaller |q0| stores a zero of
 // q0's sign and a larger one (inf, NaN) saturates or stays NaN, as the IEEE
 // quotient would; a scale outside the bounds (a device scale is unchecked)
 // divides.
@@ -98,7 +99,7 @@ constexpr float FP8_QUOTIENT_MIN = 0x1p-64f;
 constexpr float FP8_QUOTIENT_MAX = 0x1p+64f;
 static_assert(FP8_QUOTIENT_MIN * 0x1p-23f * FP8_SCALE_MIN >= 0x1p-126f &&
                   FP8_QUOTIENT_MAX * FP8_SCALE_MAX <= 0x1p+127f,
-              "within the bounds, the residual and x stay normal floats");
+              "within the bounds, x and q0 stay normal floats");
 
 // An FP8 output's rn(1 / scale), or 0 where the scale is outside the bounds
 // (then the store divides). Plain floats, not a struct: a thread keeps one

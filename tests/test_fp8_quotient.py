@@ -70,6 +70,27 @@ def fma32(a, b, c) -> np.ndarray:
         return s.astype(F32)
 
 
+def ftz(a) -> np.ndarray:
+    """Subnormal floats flushed to zeros of their sign, as the kernels run
+    (CuPy compiles them with -ftz=true)."""
+    a = np.asarray(a, F32)
+    tiny = (a != 0) & (np.abs(a) < np.finfo(F32).smallest_normal)
+    return np.where(tiny, np.copysign(F32(0), a), a).astype(F32)
+
+
+def test_kernel_code_is_what_the_emulation_models():
+    """The kernel's fp8_quotients holds the steps kernel_quotient emulates."""
+    text = (specialize.KERNEL_DIR / "rope_cache.cu").read_text()
+    body = text[text.index("void fp8_quotients("):]
+    body = re.sub(r"\s+", " ", body[:body.index("\n}\n")])
+    for step in ("if (recip != 0.0f)", "const float q0 = __fmul_rn(x[i], recip);",
+                 "const float q = fmaf(fmaf(-q0, scale, x[i]), recip, q0);",
+                 "x[i] = fabsf(q0) <= FP8_QUOTIENT_MAX ? copysignf(q, q0) : q0;",
+                 "x[i] = x[i] / scale;"):
+        assert step in body, step
+    assert "FP8_SCALE_MIN && scale <= FP8_SCALE_MAX ? __frcp_rn(scale)" in text
+
+
 def corrected(scale) -> bool:
     """Does the kernel correct (not divide) for this scale?"""
     return bool(SCALE_MIN <= F32(scale) <= SCALE_MAX)
@@ -78,23 +99,27 @@ def corrected(scale) -> bool:
 def kernel_quotient(x, scale, *, correct=True) -> np.ndarray:
     """x / scale as kernels/rope_cache.cu computes it (``correct`` False: the
     product with the reciprocal alone, which must fail somewhere)."""
-    x, s = np.asarray(x, F32), F32(scale)
+    x, s = ftz(x), F32(scale)
     with np.errstate(all="ignore"):
         if not corrected(s):
-            return x / s
+            return ftz(x / ftz(s))
         r = F32(1) / s
-        q0 = x * r
+        q0 = ftz(x * r)
         if not correct:
             return q0
-        q1 = np.copysign(fma32(fma32(-q0, s, x), r, q0), q0)
-        return np.where(np.abs(q0) <= QUOTIENT_MAX, q1, q0)
+        q = ftz(fma32(ftz(fma32(-q0, s, x)), r, q0))
+        return np.where(np.abs(q0) <= QUOTIENT_MAX, np.copysign(q, q0), q0)
 
 
 def in_identity_range(x, scale) -> np.ndarray:
-    """Where the kernel's float bits must equal IEEE division's."""
+    """Where the kernel's float bits must equal IEEE division's: the guarded
+    range; dividing, wherever the flush touches neither x nor the quotient."""
     x, s = np.asarray(x, F32), F32(scale)
     if not corrected(s):
-        return np.ones(x.shape, bool)
+        with np.errstate(all="ignore"):
+            q = ieee_quotient(x, s)
+        return (ftz(x).view(np.uint32) == x.view(np.uint32)) & (
+            ftz(q).view(np.uint32) == q.view(np.uint32)) & (ftz(s) == s or np.isnan(s))
     with np.errstate(all="ignore"):
         a = np.abs(x * (F32(1) / s))
     return (a >= QUOTIENT_MIN) & (a <= QUOTIENT_MAX)
@@ -228,12 +253,12 @@ def _specials() -> np.ndarray:
 
 
 @pytest.mark.parametrize("scale", LISTED_SCALES + [
-    2.0 ** -32, 2.0 ** 32, 2.0 ** -33, 2.0 ** 33, 2.0 ** 127, 2.0 ** -126, 1e-45, 0.0, -0.5,
+    2.0 ** -32, 2.0 ** 32, 2.0 ** -33, 2.0 ** 33, 2.0 ** 127, kv_cache.FP8_MIN_SCALE, -0.5,
     np.inf, np.nan])
 def test_special_values_and_any_device_scale(scale):
     """±0, subnormals, values near FLT_MAX, inf and NaN; also scales a
-    device tensor may hold unchecked (0, negative, inf, NaN, subnormal,
-    huge): the kernel then divides, as IEEE does."""
+    device tensor may hold unchecked (negative, inf, NaN, huge, the smallest
+    a host scale may be): the kernel then divides, as IEEE does."""
     x = _specials()
     assert mismatches(x, scale).size == 0
     with np.errstate(all="ignore"):
@@ -241,8 +266,6 @@ def test_special_values_and_any_device_scale(scale):
     for fmt in kv_cache.FP8_FORMATS:  # NaN stays NaN, zeros keep their sign
         np.testing.assert_array_equal(kv_cache.fp8_bits(got, 1.0, fmt),
                                       kv_cache.fp8_bits(want, 1.0, fmt))
-    if not corrected(scale):
-        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 # ------------------------------------------------- after the conversion --
@@ -276,3 +299,23 @@ def test_fp8_codes_near_every_rounding_tie(rng, fmt):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
         np.testing.assert_array_equal(kv_cache.fp8_bits(got, 1.0, fmt),
                                       kv_cache.fp8_bits(x, float(s), fmt))
+
+
+def _subnormals() -> np.ndarray:
+    """Every bf16 subnormal and a sweep of float32 ones, both signs."""
+    bf16 = (np.arange(1, 1 << 7, dtype=np.uint32) << 16).view(F32)
+    f32 = np.unique(np.geomspace(1, (1 << 23) - 1, 5000).astype(np.uint32)).view(F32)
+    v = np.concatenate([bf16, f32])
+    return np.concatenate([v, -v])
+
+
+def test_min_scale_is_where_the_flush_stops_mattering():
+    """kv_cache.FP8_MIN_SCALE (the host's bound): from it up, a flushed
+    subnormal x stores IEEE's codes; below it (a device scale, unchecked),
+    they differ, and only for zero or subnormal x."""
+    specials = _specials()
+    x = np.concatenate([_subnormals(), specials[~np.isnan(specials)]])
+    assert mismatches(x, kv_cache.FP8_MIN_SCALE).size == 0
+    for below in (kv_cache.FP8_MIN_SCALE / 2, 2.0 ** -126, 1e-45, 0.0):
+        bad = mismatches(x, below)
+        assert bad.size > 0 and (np.abs(bad) < np.finfo(F32).smallest_normal).all(), below
