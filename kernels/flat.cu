@@ -64,8 +64,6 @@ template <typename T, typename AngleT, int HEAD_DIM, int ROTARY_DIM, bool INTERL
           bool SPLIT_ANGLES, bool PARTNER_LOAD, int SLABS, int POS_MODE, bool EARLY_TABLES,
           bool X_EVICT_LAST>
 __global__ void __launch_bounds__(FLAT_THREADS, FLAT_MIN_BLOCKS) flat_kernel(const FlatParams p) {
-  static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
-  static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per packet
   // Packets a thread walks per head row: the rotated channels. With
   // ROTARY_DIM < HEAD_DIM (in place only: the launcher copies no tail here)

@@ -34,6 +34,7 @@ struct FlatBlock {
 
 template <int SLABS>
 __device__ __forceinline__ FlatBlock flat_block(const FlatParams& p) {
+  static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
   const int k = block_slab_index<SLABS>(p);
   FlatBlock f;
 #pragma unroll
@@ -56,6 +57,7 @@ struct FlatPosition {
 template <int POS_MODE>
 __device__ __forceinline__ FlatPosition flat_position(const FlatParams& p, const FlatSlab& sl,
                                                       unsigned row, bool live) {
+  static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
   const unsigned step = divide(row, sl.step_mul, sl.step_shift);
   const unsigned seq = static_cast<unsigned>(sl.seq_len);
   const unsigned index = seq ? step - divide(step, sl.seq_mul, sl.seq_shift) * seq : step;

@@ -258,8 +258,6 @@ template <typename T, typename AngleT, typename WT, int HEAD_DIM, bool INTERLEAV
 __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_min_blocks<U>())
     norm_flat_kernel(const NormFlatParams p) {
   using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
-  static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
-  static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
   static_assert(U >= 1 && U <= 4, "rows per thread");
   const FlatBlock blk = flat_block<SLABS>(p);
   const FlatSlab& sl = blk.s;
@@ -333,8 +331,6 @@ template <typename T, typename AngleT, typename WT, int HEAD_DIM, bool INTERLEAV
 __global__ void __launch_bounds__(FLAT_THREADS, norm_flat_backward_min_blocks<U>())
     norm_flat_backward_kernel(const NormFlatParams p) {
   using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
-  static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
-  static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
   static_assert(U == 1 || U == 2, "rows per thread");
   constexpr int GROUP = R::PASS_ROWS * U;  // rows of a warp's group
   const FlatBlock blk = flat_block<SLABS>(p);
@@ -421,8 +417,6 @@ __global__ void __launch_bounds__(NORM_FLAT_TOKEN_THREADS)
   using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
   using Token = TokenHeads<R, U, HEADS, NORM_FLAT_TOKEN_THREADS>;
   constexpr int TOKEN_WARPS = Token::WARPS;
-  static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
-  static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
   __shared__ float warp_sums[NORM_FLAT_TOKEN_THREADS / 32];
   const FlatBlock blk = flat_block<SLABS>(p);
   const FlatSlab& sl = blk.s;
@@ -537,8 +531,6 @@ __global__ void __launch_bounds__(NORM_FLAT_TOKEN_BACKWARD_THREADS)
   using R = FlatRow<T, HEAD_DIM, INTERLEAVED>;
   using Token = TokenHeads<R, U, HEADS, NORM_FLAT_TOKEN_BACKWARD_THREADS>;
   constexpr int TOKEN_WARPS = Token::WARPS;
-  static_assert(SLABS >= 1 && SLABS <= MAX_SLABS, "the call's slab count");
-  static_assert(POS_MODE == IMPLIED || POS_MODE == EXPLICIT, "implied or explicit positions");
   __shared__ float warp_sums[2][TOKEN_WARPS];
   const FlatBlock blk = flat_block<SLABS>(p);
   const FlatSlab& sl = blk.s;
