@@ -439,13 +439,14 @@ def _token_scope_layout(spec: NormSpec, slab_heads, tokens: int):
     return (spec.lanes, by, bz), layout
 
 
-def _flat_shape(call: Call, spec: NormFlatSpec, sm_count: int) -> _Shape:
+def _flat_shape(call: Call, spec: NormFlatSpec, sm_count: int,
+                layout: Optional[_FlatLayout] = None) -> _Shape:
     """The flat kernels' grid: per slab, as many warps as its rows over the
     rows a thread holds (scope "head"), or whole tokens a block (scope
     "token"), or for the backward blocks of at most
     flat_backward_threads_per_sm threads an SM, which walk the rows (scope
     "token": a block holds one token); units: the slab's rows."""
-    slab_rows = [r for r, _, _ in _flat_layout(call).geometry]
+    slab_rows = [r for r, _, _ in (layout or _flat_layout(call)).geometry]
     packets = spec.head_dim * launch.ITEMSIZE[spec.dtype] // launch.MAX_VECTOR_BYTES
     if spec.backward:
         if spec.scope == "token":  # a block: one token's warps
@@ -475,11 +476,13 @@ def _flat_shape(call: Call, spec: NormFlatSpec, sm_count: int) -> _Shape:
                   [e - b[0] for b, e in zip(slab_blocks, ends)])
 
 
-def launch_shape(call: Call, spec: NormSpec, sm_count: int) -> _Shape:
-    """Grid, block and per-slab layout of ``spec`` running ``call``."""
+def launch_shape(call: Call, spec: NormSpec, sm_count: int,
+                 layout: Optional[_FlatLayout] = None) -> _Shape:
+    """Grid, block and per-slab layout of ``spec`` running ``call``
+    (``layout``: :func:`_flat_layout` of the call, where the plan has it)."""
     heads = tuple(s.heads for s in call.slabs)
     if isinstance(spec, NormFlatSpec):
-        return _flat_shape(call, spec, sm_count)
+        return _flat_shape(call, spec, sm_count, layout)
     if spec.scope == "token":
         block, layout = _token_scope_layout(spec, heads, call.tokens)
     else:
@@ -589,9 +592,9 @@ def plan(call: Call, weights, norm: NormOptions, backward: bool = False,
     if found is not None:
         return found
     spec = choose_spec(call, norm, weights, backward, weight_grad, inputs)
-    shape = launch_shape(call, spec, launch._sm_count(call.device[1]))
-    if isinstance(spec, NormFlatSpec):
-        layout = _flat_layout(call)
+    layout = _flat_layout(call) if isinstance(spec, NormFlatSpec) else None
+    shape = launch_shape(call, spec, launch._sm_count(call.device[1]), layout)
+    if layout is not None:
         found = Plan(spec, shape, launch.flat_fixed_params(call, shape.slab_blocks,
                                                            layout.geometry), _flat_gaps(layout))
     else:
