@@ -246,22 +246,22 @@ def _check_scale(scale, name: str, needed: bool, what: str, device: tuple):
     return t
 
 
-#: The smallest scale the kernel stores exactly as torch does: it flushes
-#: subnormal floats to zero (CuPy compiles with -ftz=true), which changes no
-#: FP8 code while x / scale of a subnormal x stays below half the smallest
-#: FP8 step (2^-17, e5m2).
-FP8_MIN_SCALE = 2.0 ** -109
+#: The FP8 scales the kernel stores exactly as torch does (its quotient's
+#: bounds, kernels/rope_cache.cu FP8_SCALE_MIN and FP8_SCALE_MAX): far wider
+#: than amax / 448 of any activation, and away from the subnormal floats,
+#: which the kernels flush to zero (CuPy compiles with -ftz=true).
+FP8_MIN_SCALE = 2.0 ** -32
+FP8_MAX_SCALE = 2.0 ** 32
 
 
 def _check_scale_value(value: float, name: str) -> None:
-    """The kernel divides by the scale in float32: it must be finite there,
-    not only in float64, and at least FP8_MIN_SCALE."""
-    with np.errstate(over="ignore"):
+    """The kernel divides by the scale in float32: rounded there it must
+    lie in [FP8_MIN_SCALE, FP8_MAX_SCALE]."""
+    with np.errstate(over="ignore", under="ignore"):
         as_f32 = float(np.float32(value)) if np.isfinite(value) else value
-    if not (np.isfinite(as_f32) and as_f32 >= FP8_MIN_SCALE):
-        raise ValueError(f"{name}: expected a float32 scale from 2^-109 ({FP8_MIN_SCALE:.3g}; "
-                         f"the kernel flushes subnormal floats) to its largest finite value, "
-                         f"got {value}")
+    if not FP8_MIN_SCALE <= as_f32 <= FP8_MAX_SCALE:  # NaN fails too
+        raise ValueError(f"{name}: expected a scale in [2^-32, 2^32] ({FP8_MIN_SCALE:.3g} to "
+                         f"{FP8_MAX_SCALE:.3g}) as a float32, got {value}")
 
 
 def _v_slab(v, call: Call, head_dim) -> Slab:
@@ -472,7 +472,7 @@ CACHE_FIXED_FIELDS = tuple(
     [(f"cache[{c}].{f}", "q") for c in range(2)
      for f in ("stride_block", "stride_offset", "stride_head", "stride_dim")]
     + [(n, "q") for n in ("n_slots", "block_size", "slot_stride_outer", "slot_stride_inner",
-                          "slot_is_64", "heads_q", "heads_kv", "heads_per_block")]
+                          "slot_is_64", "heads_q", "heads_kv")]
     + [("scale[0]", "f"), ("scale[1]", "f"), ("scale[2]", "f"), ("eps", "f")])
 _CACHE_DYNAMIC = struct.Struct("<" + "".join(c for _, c in CACHE_DYNAMIC_FIELDS))
 _CACHE_FIXED = struct.Struct("<" + "".join(c for _, c in CACHE_FIXED_FIELDS))
@@ -548,9 +548,8 @@ def choose_spec(cc: CacheCall, unroll: int) -> CacheSpec:
 
 
 class _Shape(NamedTuple):
-    grid: tuple
-    block: tuple
-    heads_per_block: int
+    grid: tuple  # (token blocks, head groups, 1): the kernel interleaves the groups' heads
+    block: tuple  # (items, head lanes, token lanes)
     unroll: int
 
 
@@ -560,8 +559,8 @@ class _Shape(NamedTuple):
 #: the block's loads span more tokens (the sweep is in the issue 32 report).
 PREFILL_UNROLL = 4
 PREFILL_PASSES = 3
-#: Decode: head lanes a block (one head a thread, the heads split over
-#: blocks): more, smaller blocks for the few rows.
+#: Decode: head lanes a block (one head a thread, one token a block, the
+#: heads split over blocks): more, smaller blocks for the few rows.
 DECODE_MAX_LANES = 16
 
 
@@ -570,30 +569,30 @@ def launch_shape(items: int, heads: int, tokens: int, sm_count: int) -> _Shape:
     ``items`` threads: about ``PREFILL_PASSES`` passes of ``PREFILL_UNROLL``
     heads a thread, the rest of the block's threads on more tokens, when
     the grid then still covers every SM several times (prefill); else one
-    head a thread, the heads split over blocks (decode)."""
+    head a thread and one token a block, the heads split over blocks
+    (decode)."""
     lanes_max = launch._pow2_floor(max(1, THREADS // items))
     for unroll in (PREFILL_UNROLL, 1):
         per_thread = unroll * PREFILL_PASSES if unroll > 1 else 1
         lanes = min(launch._pow2_ceil(-(-heads // per_thread)), lanes_max,
                     lanes_max if unroll > 1 else DECODE_MAX_LANES)
         per_block = heads if unroll > 1 else lanes
-        bz = max(1, min(THREADS // (items * lanes), MAX_BLOCK_Z, tokens))
+        bz = max(1, min(THREADS // (items * lanes), MAX_BLOCK_Z, tokens)) if unroll > 1 else 1
         blocks = -(-tokens // bz) * -(-heads // per_block)
         if unroll == 1 or blocks >= launch.POLICY.blocks_per_sm * sm_count:
             return _Shape((-(-tokens // bz), -(-heads // per_block), 1), (items, lanes, bz),
-                          per_block, unroll)
+                          unroll)
     raise AssertionError("unreachable")
 
 
-def _cache_fixed(cc: CacheCall, shape: _Shape) -> bytes:
+def _cache_fixed(cc: CacheCall) -> bytes:
     call, cache = cc.call, cc.cache
     order = launch._token_order(call)
     st = cc.slots.strides
     slot_strides = order.by_order(0, st[0]) if len(st) == 1 else order.by_order(*st)
     fields = [*_cache_strides(cache.k, cache.layout), *_cache_strides(cache.v, cache.layout),
               cache.num_blocks * cache.block_size, cache.block_size, *slot_strides,
-              int(cc.slots.dtype == "int64"), call.slabs[0].heads, call.slabs[1].heads,
-              shape.heads_per_block]
+              int(cc.slots.dtype == "int64"), call.slabs[0].heads, call.slabs[1].heads]
     fields += [s if isinstance(s, float) else 1.0 for s in cc.scales]
     fields.append(cc.norm.eps if cc.norm is not None else 0.0)
     return _CACHE_FIXED.pack(*fields)
@@ -630,7 +629,7 @@ class Plan:
         self.shape = shape
         fixed = launch.fixed_params(call, [(0, 0, 0, 0)] * launch.MAX_SLABS)
         self.buf = (bytes(launch._DYNAMIC.size) + fixed + bytes(_CACHE_DYNAMIC.size)
-                    + _cache_fixed(cc, shape))
+                    + _cache_fixed(cc))
         self.kernel = None if self.empty else get_kernel(self.spec, self.device_id).ptr
         self.stream = (interop.torch_stream_getter() if call.x.kind == "torch"
                        else interop.cupy_stream_getter())
@@ -840,8 +839,9 @@ interleaved, rotary_dim, head_dim
     k_scale, v_scale : float or array, optional
         Per-tensor scales, required for FP8 caches and refused otherwise:
         stored = x / scale (x rounded to q's dtype first), saturated to the
-        format's finite range (448, 57344), round to nearest even. A float,
-        or a 1-element float32 array on q's device.
+        format's finite range (448, 57344), round to nearest even. A float
+        in [2^-32, 2^32], or a 1-element float32 array on q's device (not
+        read on the host: a value outside those bounds stores NaN codes).
     q_scale : float or array, optional
         The same for an FP8 ``out_q``.
     inplace : bool

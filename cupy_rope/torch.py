@@ -1155,9 +1155,10 @@ _CACHE_PARAMETERS = """k_cache, v_cache : torch.Tensor
         The FP8 format of caches given as uint8 storage.
     k_scale, v_scale : float or torch.Tensor, optional
         FP8 caches only (required then): stored = x / scale, saturated to
-        the format's finite range, round to nearest even. A float, or a
-        1-element float32 tensor on q's device (read by the kernel, so a
-        replayed CUDA graph uses its current value).
+        the format's finite range, round to nearest even. A float in
+        [2^-32, 2^32], or a 1-element float32 tensor on q's device (read by
+        the kernel, so a replayed CUDA graph uses its current value; outside
+        those bounds the written codes are NaN).
     q_dtype : torch.dtype, optional
         Out of place only: an FP8 dtype returns q in it (with ``q_scale``),
         for FP8 attention.

@@ -21,17 +21,21 @@
 // (x.float() / scale).clamp(-max, max).to(float8) with the scale a float32
 // tensor (torch divides a CUDA tensor by a Python float as a product with
 // its reciprocal, which can round differently). The quotient comes from the
-// scale's reciprocal and one correction (fp8_quotients), not a division.
+// scale's reciprocal and one correction (fp8_quotients), not a division;
+// scales lie in [FP8_SCALE_MIN, FP8_SCALE_MAX] (the host refuses others; a
+// device scale outside stores NaN codes).
 //
 // Thread layout (cupy_rope/kv_cache.py picks the sizes):
 //   threadIdx.x: an item of a head row: items [0, ROT_ITEMS) each handle
 //                PAIRS pairs (for v: the same channels, copied), the rest
 //                TAIL_VEC channels of the tail [ROTARY_DIM, HEAD_DIM).
 //   threadIdx.y: head lane; heads are numbered q [0, hq), k [hq, hq + hk),
-//                v [hq + hk, hq + 2 hk) and a lane walks its block's heads
-//                with step blockDim.y, UNROLL heads' loads per pass.
+//                v [hq + hk, hq + 2 hk) and a lane walks its block's heads,
+//                UNROLL heads' loads per pass.
 //   threadIdx.z: token lane; blockIdx.x: token block; blockIdx.y: head group
-//                (few tokens: the heads split over several blocks).
+//                (few tokens: the heads split over several blocks; group g
+//                holds heads [g, g + 1) * blockDim.y, and a lane's next head
+//                is gridDim.y * blockDim.y further).
 //
 // With the per-head q/k RMSNorm (NORM, cupy_rope/kv_cache.py), q and k heads
 // are first normalized as norm_rope_kernel normalizes them (kernels/
@@ -76,7 +80,6 @@ struct CacheParams : Params {
   i64 slot_is_64;
   i64 heads_q;
   i64 heads_kv;
-  i64 heads_per_block;  // heads of one head group (blockIdx.y)
   float scale[3];       // used where scale_ptr is null
   float eps;            // NORM: added to the mean square
 };
@@ -89,10 +92,11 @@ struct CacheParams : Params {
 // [FP8_QUOTIENT_MIN, FP8_QUOTIENT_MAX], x and q0 are normal floats (a
 // residual may be subnormal, and flushed, only where q0 is already the
 // quotient) and the result is the IEEE quotient (every pair of mantissas
-// checked; tests/test_fp8_quotient.py reads the bounds and this code). A smaller |q0| stores a zero of
-// q0's sign and a larger one (inf, NaN) saturates or stays NaN, as the IEEE
-// quotient would; a scale outside the bounds (a device scale is unchecked)
-// divides.
+// checked; tests/test_fp8_quotient.py reads the bounds and this code). A
+// smaller |q0| stores a zero of q0's sign and a larger one (inf, NaN)
+// saturates or stays NaN, as the IEEE quotient would. There is no division
+// for other scales: straight-line code lets ptxas interleave the stores of
+// a thread's packets (docs/performance.md, "FP8 decode").
 constexpr float FP8_SCALE_MIN = 0x1p-32f;
 constexpr float FP8_SCALE_MAX = 0x1p+32f;
 constexpr float FP8_QUOTIENT_MIN = 0x1p-64f;
@@ -101,27 +105,23 @@ static_assert(FP8_QUOTIENT_MIN * 0x1p-23f * FP8_SCALE_MIN >= 0x1p-126f &&
                   FP8_QUOTIENT_MAX * FP8_SCALE_MAX <= 0x1p+127f,
               "within the bounds, x and q0 stay normal floats");
 
-// An FP8 output's rn(1 / scale), or 0 where the scale is outside the bounds
-// (then the store divides). Plain floats, not a struct: a thread keeps one
-// per output, and an array of structs selected at run time went to local
-// memory.
+// An FP8 output's rn(1 / scale); NaN where the scale is outside the bounds
+// (a device scale holding it: the store is then NaN, never a quiet
+// misrounding). Plain floats, not a struct: a thread keeps one per output,
+// and an array of structs selected at run time went to local memory.
 __device__ __forceinline__ float fp8_recip(float scale) {
-  return scale >= FP8_SCALE_MIN && scale <= FP8_SCALE_MAX ? __frcp_rn(scale) : 0.0f;
+  return scale >= FP8_SCALE_MIN && scale <= FP8_SCALE_MAX ? __frcp_rn(scale)
+                                                          : __int_as_float(0x7fffffff);
 }
 
-// x[i] / scale in place, as described above (the branch is uniform).
+// x[i] / scale in place, as described above.
 template <int N>
 __device__ __forceinline__ void fp8_quotients(float (&x)[N], float scale, float recip) {
-  if (recip != 0.0f) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const float q0 = __fmul_rn(x[i], recip);  // never contracted into an fma
-      const float q = fmaf(fmaf(-q0, scale, x[i]), recip, q0);
-      x[i] = fabsf(q0) <= FP8_QUOTIENT_MAX ? copysignf(q, q0) : q0;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) x[i] = x[i] / scale;
+  for (int i = 0; i < N; ++i) {
+    const float q0 = __fmul_rn(x[i], recip);  // never contracted into an fma
+    const float q = fmaf(fmaf(-q0, scale, x[i]), recip, q0);
+    x[i] = fabsf(q0) <= FP8_QUOTIENT_MAX ? copysignf(q, q0) : q0;
   }
 }
 
@@ -227,9 +227,31 @@ struct TokenRows {
   i64 q_head, q_dim;
   Stored<T, CACHE_FORMAT>* kv_dst[2];
   i64 kv_head[2], kv_dim[2];
-  float scale[3], recip[3];  // FP8 outputs: the scale and fp8_recip of it
+  float scale[3], recip[3];  // FP8 outputs: the scale and fp8_recip of it (place)
   int hq, n_rot;
-  bool write_kv;  // the slot is valid: k and v are stored
+  i64 slot;       // the token's cache slot (its load in flight until place)
+  bool write_kv;  // the slot is valid: k and v are stored (set by place)
+
+  // The k and v cache rows of the token's slot, and the reciprocals of the
+  // scales. Called once the thread's first head loads are issued: code that
+  // waits for the slot or a device scale would hold them back (ptxas does
+  // not hoist loads above its branches).
+  __device__ __forceinline__ void place(const CacheParams& p) {
+#pragma unroll
+    for (int s = 0; s < 3; ++s) recip[s] = fp8_recip(scale[s]);
+    write_kv = slot >= 0 && slot < p.n_slots;
+    i64 blk = 0, off = 0;
+    if (write_kv) {  // 32-bit division where the slots allow
+      blk = p.n_slots <= 0xffffffffll
+                ? static_cast<unsigned>(slot) / static_cast<unsigned>(p.block_size)
+                : slot / p.block_size;
+      off = slot - blk * p.block_size;
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+      kv_dst[c] = static_cast<Stored<T, CACHE_FORMAT>*>(p.cache_data[c]) +
+                  blk * p.cache[c].stride_block + off * p.cache[c].stride_offset;
+  }
 
   // The slab of head h (0 q, 1 k, 2 v) and its index there.
   __device__ __forceinline__ int slab_of(int h) const { return h < hq ? 0 : h < n_rot ? 1 : 2; }
@@ -279,21 +301,16 @@ struct TokenRows {
   }
 };
 
-// The head rows of token (outer, inner), whose cache slot is `slot`.
+// The head rows of token (outer, inner), whose cache slot is `slot`; the
+// cache rows are found later (place).
 template <typename T, int Q_FORMAT, int CACHE_FORMAT, bool STRIDED>
 __device__ __forceinline__ TokenRows<T, Q_FORMAT, CACHE_FORMAT, STRIDED> token_rows(
     const CacheParams& p, i64 outer, i64 inner, i64 slot) {
   TokenRows<T, Q_FORMAT, CACHE_FORMAT, STRIDED> r;
   r.hq = static_cast<int>(p.heads_q);
   r.n_rot = r.hq + static_cast<int>(p.heads_kv);
-  r.write_kv = slot >= 0 && slot < p.n_slots;
-  i64 blk = 0, off = 0;
-  if (r.write_kv) {  // 32-bit division where the slots allow
-    blk = p.n_slots <= 0xffffffffll
-              ? static_cast<unsigned>(slot) / static_cast<unsigned>(p.block_size)
-              : slot / p.block_size;
-    off = slot - blk * p.block_size;
-  }
+  r.slot = slot;
+  r.write_kv = false;
 #pragma unroll
   for (int s = 0; s < 3; ++s) {
     const View& v = p.slab[s].x;
@@ -302,7 +319,6 @@ __device__ __forceinline__ TokenRows<T, Q_FORMAT, CACHE_FORMAT, STRIDED> token_r
     r.src_head[s] = v.stride_head;
     r.src_dim[s] = STRIDED ? v.stride_dim : 1;
     r.scale[s] = p.scale_ptr[s] ? *p.scale_ptr[s] : p.scale[s];
-    r.recip[s] = fp8_recip(r.scale[s]);
   }
   const View& o = p.slab[0].out;
   r.q_dst = static_cast<Stored<T, Q_FORMAT>*>(p.out_data[0]) + outer * o.stride_outer +
@@ -311,8 +327,7 @@ __device__ __forceinline__ TokenRows<T, Q_FORMAT, CACHE_FORMAT, STRIDED> token_r
   r.q_dim = STRIDED ? o.stride_dim : 1;
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    r.kv_dst[c] = static_cast<Stored<T, CACHE_FORMAT>*>(p.cache_data[c]) +
-                  blk * p.cache[c].stride_block + off * p.cache[c].stride_offset;
+    r.kv_dst[c] = nullptr;
     r.kv_head[c] = p.cache[c].stride_head;
     r.kv_dim[c] = STRIDED ? p.cache[c].stride_dim : 1;
   }
@@ -320,24 +335,26 @@ __device__ __forceinline__ TokenRows<T, Q_FORMAT, CACHE_FORMAT, STRIDED> token_r
 }
 
 // A rotating item: PAIRS pairs of each of the thread's heads [h_first,
-// h_end) in steps of `lanes`, UNROLL heads' loads per pass; q and k rotate,
+// h_end) in steps of `step`, UNROLL heads' loads per pass; q and k rotate,
 // v is copied. `find_angles(c, s)` gives the token's angles; it is called
-// once, after the first pass's loads are issued (as rope_kernel does).
+// once, after the first pass's loads are issued (as rope_kernel does), and
+// the cache rows are placed after it.
 template <typename T, int HALF, bool INTERLEAVED, int PAIRS, bool STRIDED, int UNROLL,
           typename Rows, typename FindAngles>
-__device__ __forceinline__ void rotate_rows(const Rows& rows, int item, int h_first, int h_end,
-                                            int lanes, FindAngles find_angles) {
+__device__ __forceinline__ void rotate_rows(const CacheParams& p, Rows& rows, int item,
+                                            int h_first, int h_end, int step,
+                                            FindAngles find_angles) {
   constexpr int PACKETS = INTERLEAVED ? 1 : 2;
   constexpr int WIDTH = INTERLEAVED ? 2 * PAIRS : PAIRS;
   const int f0 = item * PAIRS;
   const int ch[2] = {(INTERLEAVED ? 2 : 1) * f0, f0 + HALF};
   float c[PAIRS], sn[PAIRS];
   bool have_angles = false;
-  for (int h0 = h_first; h0 < h_end; h0 += lanes * UNROLL) {
+  for (int h0 = h_first; h0 < h_end; h0 += step * UNROLL) {
     Packet<T, WIDTH> raw[UNROLL][PACKETS];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int h = h0 + u * lanes;
+      const int h = h0 + u * step;
       if (h < h_end) {
         const int s = rows.slab_of(h);
 #pragma unroll
@@ -352,9 +369,10 @@ __device__ __forceinline__ void rotate_rows(const Rows& rows, int item, int h_fi
       find_angles(f0, c, sn);
       have_angles = true;
     }
+    if (h0 == h_first) rows.place(p);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int h = h0 + u * lanes;
+      const int h = h0 + u * step;
       if (h >= h_end) continue;
       const int s = rows.slab_of(h);
       if (rows.skipped(s)) continue;
@@ -377,28 +395,30 @@ __device__ __forceinline__ void rotate_rows(const Rows& rows, int item, int h_fi
   }
 }
 
-// A tail item: TAIL_VEC channels from `ch` of each of the thread's heads,
-// copied unrotated (q's only when COPY_Q_TAIL: in place they stay as they are).
+// A tail item: TAIL_VEC channels from `ch` of each of the thread's heads
+// (the same walk), copied unrotated (q's only when COPY_Q_TAIL: in place
+// they stay as they are).
 template <typename T, int TAIL_VEC, bool STRIDED, int UNROLL, bool COPY_Q_TAIL, typename Rows>
-__device__ __forceinline__ void copy_tails(const Rows& rows, i64 ch, int h_first, int h_end,
-                                           int lanes) {
+__device__ __forceinline__ void copy_tails(const CacheParams& p, Rows& rows, i64 ch, int h_first,
+                                           int h_end, int step) {
   int h_start = h_first;
   if (!COPY_Q_TAIL && h_first < rows.hq)  // the thread's first k or v head
-    h_start += (rows.hq - h_first + lanes - 1) / lanes * lanes;
-  for (int h0 = h_start; h0 < h_end; h0 += lanes * UNROLL) {
+    h_start += (rows.hq - h_first + step - 1) / step * step;
+  for (int h0 = h_start; h0 < h_end; h0 += step * UNROLL) {
     Packet<T, TAIL_VEC> raw[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int h = h0 + u * lanes;
+      const int h = h0 + u * step;
       if (h < h_end) {
         i64 xd;
         const T* x = rows.source(h, rows.slab_of(h), ch, xd);
         raw[u] = load_raw<T, TAIL_VEC, STRIDED>(x, xd);
       }
     }
+    if (h0 == h_start) rows.place(p);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int h = h0 + u * lanes;
+      const int h = h0 + u * step;
       if (h >= h_end) continue;
       const int s = rows.slab_of(h);
       if (!rows.skipped(s)) rows.put_packet(h, s, ch, raw[u]);
@@ -503,14 +523,18 @@ __device__ __forceinline__ void norm_row(const Rows& rows, int h, int s,
 }
 
 // NORM: every head row of the thread's heads [h_first, h_end) in steps of
-// `lanes`, UNROLL rows' loads per pass: q and k normalized, rotated and
-// stored, v copied; a padding token's k and v rows are not even read.
-// `find_angles(c, sn)` gives the angles of the lane's rotating items.
+// `step`, UNROLL rows' loads per pass: q and k normalized, rotated and
+// stored, v copied (a padding token's k and v rows are read all the same:
+// skipping them would wait for the slot). `find_angles(c, sn)` gives the
+// angles of the lane's rotating items; the cache rows are placed after it.
 template <typename T, typename WT, class L, bool INTERLEAVED, int PAIRS, int TAIL_VEC,
           bool STRIDED, int UNROLL, int WEIGHT, bool ROUND_BEFORE, int LANES, int K,
           typename Rows, typename FindAngles>
-__device__ __forceinline__ void norm_rows(const CacheParams& p, const Rows& rows, int h_first,
-                                          int h_end, int lanes, FindAngles find_angles) {
+__device__ __forceinline__ void norm_rows(const CacheParams& p, Rows& rows, int h_first,
+                                          int h_end, int step, FindAngles find_angles) {
+  static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "LANES: 2^k <= 32");
+  static_assert(LANES * K >= L::ITEMS, "the lanes hold every item");
+  static_assert(TAIL_VEC <= L::W, "a tail item fits an item's packet");
   constexpr int W = L::W;
   // w' of q's and k's items of this lane: the same channels in every row.
   Packet<WT, W> wr[2][K];
@@ -525,13 +549,13 @@ __device__ __forceinline__ void norm_rows(const CacheParams& p, const Rows& rows
   }
   float c[K][PAIRS], sn[K][PAIRS];
   bool have_angles = false;
-  for (int h0 = h_first; h0 < h_end; h0 += lanes * UNROLL) {
+  for (int h0 = h_first; h0 < h_end; h0 += step * UNROLL) {
     Packet<T, W> raw[UNROLL][K];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int h = h0 + u * lanes;
+      const int h = h0 + u * step;
       const int s = h < h_end ? rows.slab_of(h) : 2;
-      const bool read = h < h_end && !rows.skipped(s);
+      const bool read = h < h_end;
       i64 xd = 1;
       const T* x = read ? rows.source(h, s, 0, xd) : nullptr;
 #pragma unroll
@@ -543,9 +567,10 @@ __device__ __forceinline__ void norm_rows(const CacheParams& p, const Rows& rows
       find_angles(c, sn);
       have_angles = true;
     }
+    if (h0 == h_first) rows.place(p);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int h = h0 + u * lanes;
+      const int h = h0 + u * step;
       if (h >= h_end) continue;
       const int s = rows.slab_of(h);
       if (rows.skipped(s)) continue;
@@ -599,28 +624,31 @@ __global__ void __launch_bounds__(CACHE_THREADS) rope_cache_kernel(const CachePa
   }
   if (!live) return;
 
-  // Head loads do not wait for the slot: a padding token's k and v are
-  // read and dropped at the store.
+  // The position is asked for first: its table rows are the longest wait.
+  // With cu_seqlens, once the block's sequences are known (find_position).
+  i64 pos = 0;
+  bool valid = POS_MODE == VARLEN || token_position<POS_MODE>(p, token, outer, inner, 0, pos);
+  auto find_position = [&] {
+    if constexpr (POS_MODE == VARLEN) {
+      signal_wait(seq_ready);
+      valid = token_position<POS_MODE>(p, token, outer, inner, seq_of_lane[token_lane], pos);
+    }
+  };
+  // Head loads do not wait for the slot (place): a padding token's k and v
+  // are read and dropped at the store.
   const i64 slot = load_index(p.slot_mapping,
                               outer * p.slot_stride_outer + inner * p.slot_stride_inner,
                               p.slot_is_64);
-  const auto rows = token_rows<T, Q_FORMAT, CACHE_FORMAT, STRIDED>(p, outer, inner, slot);
-  const int h_begin = blockIdx.y * static_cast<int>(p.heads_per_block);
-  const int h_end = min(rows.n_rot + static_cast<int>(p.heads_kv),
-                        h_begin + static_cast<int>(p.heads_per_block));
-  const int h_first = h_begin + static_cast<int>(threadIdx.y);
+  auto rows = token_rows<T, Q_FORMAT, CACHE_FORMAT, STRIDED>(p, outer, inner, slot);
+  // The thread's heads: its lane of its block's head group, then every
+  // head lane of every group further.
+  const int h_end = rows.n_rot + static_cast<int>(p.heads_kv);
+  const int h_first = blockIdx.y * blockDim.y + threadIdx.y;
+  const int step = gridDim.y * blockDim.y;
   if constexpr (NORM) {
     using L = ItemLayout<HEAD_DIM, ROTARY_DIM, INTERLEAVED, PAIRS, TAIL_VEC>;
-    static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "LANES: 2^k <= 32");
-    static_assert(LANES * K >= L::ITEMS, "the lanes hold every item");
-    static_assert(TAIL_VEC <= L::W, "a tail item fits an item's packet");
     auto find_angles = [&](float (&c)[K][PAIRS], float (&sn)[K][PAIRS]) {
-      i64 pos = 0, seq = 0;
-      if constexpr (POS_MODE == VARLEN) {
-        signal_wait(seq_ready);
-        seq = seq_of_lane[token_lane];
-      }
-      const bool valid = token_position<POS_MODE>(p, token, outer, inner, seq, pos);
+      find_position();
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         const int i = threadIdx.x + k * LANES;
@@ -629,26 +657,21 @@ __global__ void __launch_bounds__(CACHE_THREADS) rope_cache_kernel(const CachePa
       }
     };
     norm_rows<T, WT, L, INTERLEAVED, PAIRS, TAIL_VEC, STRIDED, UNROLL, WEIGHT, ROUND_BEFORE,
-              LANES, K>(p, rows, h_first, h_end, blockDim.y, find_angles);
+              LANES, K>(p, rows, h_first, h_end, step, find_angles);
     return;
   }
   const int item = threadIdx.x;
   if (item < ROT_ITEMS) {
     auto find_angles = [&](int f0, float (&c)[PAIRS], float (&sn)[PAIRS]) {
-      i64 pos = 0, seq = 0;
-      if constexpr (POS_MODE == VARLEN) {
-        signal_wait(seq_ready);
-        seq = seq_of_lane[token_lane];
-      }
-      const bool valid = token_position<POS_MODE>(p, token, outer, inner, seq, pos);
+      find_position();
       angles<SOURCE, AngleT, PAIRS, TABLE_STRIDED>(p, pos, valid, f0, c, sn);
     };
-    rotate_rows<T, HALF, INTERLEAVED, PAIRS, STRIDED, UNROLL>(rows, item, h_first, h_end,
-                                                              blockDim.y, find_angles);
+    rotate_rows<T, HALF, INTERLEAVED, PAIRS, STRIDED, UNROLL>(p, rows, item, h_first, h_end,
+                                                              step, find_angles);
   } else if constexpr (TAIL > 0) {
     copy_tails<T, TAIL_VEC, STRIDED, UNROLL, COPY_Q_TAIL>(
-        rows, ROTARY_DIM + static_cast<i64>(item - ROT_ITEMS) * TAIL_VEC, h_first, h_end,
-        blockDim.y);
+        p, rows, ROTARY_DIM + static_cast<i64>(item - ROT_ITEMS) * TAIL_VEC, h_first, h_end,
+        step);
   }
 }
 

@@ -6,7 +6,8 @@ float32 operations and compares them with IEEE division, the bits
 Per element the kernel computes, where the scale is in [FP8_SCALE_MIN,
 FP8_SCALE_MAX], with r = rn(1 / scale) once per thread: q0 = rn(x r) and
 q = fma(fma(-q0, scale, x), r, q0); it stores q with q0's sign where |q0| <=
-FP8_QUOTIENT_MAX, else q0. Elsewhere it divides. Where FP8_QUOTIENT_MIN <=
+FP8_QUOTIENT_MAX, else q0. Other scales (the host refuses them; a device
+scale is not checked) make r NaN, and so every code. Where FP8_QUOTIENT_MIN <=
 |q0| <= FP8_QUOTIENT_MAX the float bits equal IEEE division's; outside, only
 the FP8 codes must (a zero of the quotient's sign, saturation, NaN), and
 every check compares those too.
@@ -83,12 +84,26 @@ def test_kernel_code_is_what_the_emulation_models():
     text = (specialize.KERNEL_DIR / "rope_cache.cu").read_text()
     body = text[text.index("void fp8_quotients("):]
     body = re.sub(r"\s+", " ", body[:body.index("\n}\n")])
-    for step in ("if (recip != 0.0f)", "const float q0 = __fmul_rn(x[i], recip);",
+    for step in ("const float q0 = __fmul_rn(x[i], recip);",
                  "const float q = fmaf(fmaf(-q0, scale, x[i]), recip, q0);",
-                 "x[i] = fabsf(q0) <= FP8_QUOTIENT_MAX ? copysignf(q, q0) : q0;",
-                 "x[i] = x[i] / scale;"):
+                 "x[i] = fabsf(q0) <= FP8_QUOTIENT_MAX ? copysignf(q, q0) : q0;"):
         assert step in body, step
-    assert "FP8_SCALE_MIN && scale <= FP8_SCALE_MAX ? __frcp_rn(scale)" in text
+    assert "/" not in body.replace("//", "")  # no division left
+    recip = text[text.index("float fp8_recip("):]
+    recip = re.sub(r"\s+", " ", recip[:recip.index("\n}\n")])
+    assert ("scale >= FP8_SCALE_MIN && scale <= FP8_SCALE_MAX ? __frcp_rn(scale) : "
+            "__int_as_float(0x7fffffff)") in recip
+
+
+def test_host_bounds_are_the_kernels():
+    """The host refuses exactly the scales the kernel does not correct."""
+    assert (kv_cache.FP8_MIN_SCALE, kv_cache.FP8_MAX_SCALE) == (SCALE_MIN, SCALE_MAX)
+    for ok in (SCALE_MIN, SCALE_MAX, 1.0, 0.05):
+        kv_cache._check_scale_value(ok, "k_scale")
+    for bad in (np.nextafter(F32(SCALE_MIN), F32(0)), np.nextafter(F32(SCALE_MAX), F32(np.inf)),
+                0.0, -1.0, 1e-40, np.inf, np.nan):
+        with pytest.raises(ValueError, match="k_scale"):
+            kv_cache._check_scale_value(float(bad), "k_scale")
 
 
 def corrected(scale) -> bool:
@@ -102,7 +117,7 @@ def kernel_quotient(x, scale, *, correct=True) -> np.ndarray:
     x, s = ftz(x), F32(scale)
     with np.errstate(all="ignore"):
         if not corrected(s):
-            return ftz(x / ftz(s))
+            return np.full(x.shape, np.nan, F32)
         r = F32(1) / s
         q0 = ftz(x * r)
         if not correct:
@@ -113,13 +128,9 @@ def kernel_quotient(x, scale, *, correct=True) -> np.ndarray:
 
 def in_identity_range(x, scale) -> np.ndarray:
     """Where the kernel's float bits must equal IEEE division's: the guarded
-    range; dividing, wherever the flush touches neither x nor the quotient."""
+    range (only scales within the bounds are compared)."""
     x, s = np.asarray(x, F32), F32(scale)
-    if not corrected(s):
-        with np.errstate(all="ignore"):
-            q = ieee_quotient(x, s)
-        return (ftz(x).view(np.uint32) == x.view(np.uint32)) & (
-            ftz(q).view(np.uint32) == q.view(np.uint32)) & (ftz(s) == s or np.isnan(s))
+    assert corrected(s), "a scale outside the bounds stores NaN"
     with np.errstate(all="ignore"):
         a = np.abs(x * (F32(1) / s))
     return (a >= QUOTIENT_MIN) & (a <= QUOTIENT_MAX)
@@ -253,12 +264,10 @@ def _specials() -> np.ndarray:
 
 
 @pytest.mark.parametrize("scale", LISTED_SCALES + [
-    2.0 ** -32, 2.0 ** 32, 2.0 ** -33, 2.0 ** 33, 2.0 ** 127, kv_cache.FP8_MIN_SCALE, -0.5,
-    np.inf, np.nan])
-def test_special_values_and_any_device_scale(scale):
-    """±0, subnormals, values near FLT_MAX, inf and NaN; also scales a
-    device tensor may hold unchecked (negative, inf, NaN, huge, the smallest
-    a host scale may be): the kernel then divides, as IEEE does."""
+    2.0 ** -32, 2.0 ** 32, 1.5 * 2.0 ** -32, 2.0 ** 32 * (1 - 2.0 ** -24)])
+def test_special_values(scale):
+    """±0, subnormals, values near FLT_MAX, inf and NaN, with scales up to
+    the bounds."""
     x = _specials()
     assert mismatches(x, scale).size == 0
     with np.errstate(all="ignore"):
@@ -309,13 +318,24 @@ def _subnormals() -> np.ndarray:
     return np.concatenate([v, -v])
 
 
-def test_min_scale_is_where_the_flush_stops_mattering():
-    """kv_cache.FP8_MIN_SCALE (the host's bound): from it up, a flushed
-    subnormal x stores IEEE's codes; below it (a device scale, unchecked),
-    they differ, and only for zero or subnormal x."""
+def test_the_flush_changes_no_code_within_the_bounds():
+    """A subnormal x, which the kernels flush to a zero, stores IEEE's codes
+    at every scale from the lower bound up."""
     specials = _specials()
     x = np.concatenate([_subnormals(), specials[~np.isnan(specials)]])
-    assert mismatches(x, kv_cache.FP8_MIN_SCALE).size == 0
-    for below in (kv_cache.FP8_MIN_SCALE / 2, 2.0 ** -126, 1e-45, 0.0):
-        bad = mismatches(x, below)
-        assert bad.size > 0 and (np.abs(bad) < np.finfo(F32).smallest_normal).all(), below
+    for s in (SCALE_MIN, 2.0 ** -20, 1.0, SCALE_MAX):
+        assert mismatches(x, s).size == 0, s
+
+
+@pytest.mark.parametrize("scale", [np.nextafter(F32(2.0 ** -32), F32(0)), 2.0 ** 33, 2.0 ** 127,
+                                   1e-40, 0.0, -0.5, np.inf, np.nan],
+                         ids=["below-min", "2^33", "2^127", "subnormal", "zero", "negative",
+                              "inf", "nan"])
+def test_scales_outside_the_bounds_store_nan(scale):
+    """A device scale the host would refuse: every code is NaN (never a
+    quietly misrounded one), for every input."""
+    got = kernel_quotient(_specials(), scale)
+    assert np.isnan(got).all()
+    for fmt in kv_cache.FP8_FORMATS:
+        codes = kv_cache.fp8_bits(got, 1.0, fmt)
+        assert ((codes & 0x7F) == 0x7F).all(), fmt

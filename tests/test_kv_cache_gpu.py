@@ -451,16 +451,10 @@ FP8_SPECIALS = np.array([0.0, -0.0, 1e-45, -3e-45, 1e-39, -1e-38, 1e-30, -1e-20,
                          np.inf, -np.inf, 1.0, -2.5, 31.0], np.float32)
 
 
-@pytest.mark.parametrize("where", ["host", "device"])
-@pytest.mark.parametrize("scale", [0.07, 2.0 ** 40], ids=["0.07", "2^40"])
-@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fp8_special_values_match_torch(rng, dtype, fmt, scale, where):
-    """v holding zeros of both signs, subnormals, tiny and huge values and
-    infinities among ordinary ones, with an ordinary scale and one outside
-    the corrected quotient's bounds (kernels/rope_cache.cu fp8_quotients),
-    as floats and as device tensors: the cached bytes are torch's conversion
-    of v / scale, and k's of the rotated k."""
+def _fp8_special_call(rng, dtype, fmt, scale, where):
+    """apply_rope_and_cache of v holding FP8_SPECIALS among ordinary values,
+    k_scale = v_scale = ``scale`` (a float, or a device tensor): (k_cache,
+    v_cache, their poison, slots, rotated k, v)."""
     import torch
 
     t, hq, hk, d, bs = 16, 4, 2, 128, 16
@@ -482,7 +476,39 @@ def test_fp8_special_values_match_torch(rng, dtype, fmt, scale, where):
     kv_cache.apply_rope_and_cache(q, k, v, k_cache, v_cache, torch.from_numpy(slots_h).cuda(),
                                   inv_freq=inv, positions=pos, k_scale=s, v_scale=s)
     torch.cuda.synchronize()
+    return k_cache, v_cache, poison, slots_h, k_rot, v
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("scale", [0.07, 2.0 ** -32, 2.0 ** 32], ids=["0.07", "min", "max"])
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_special_values_match_torch(rng, dtype, fmt, scale, where):
+    """v holding zeros of both signs, subnormals, tiny and huge values and
+    infinities among ordinary ones, with an ordinary scale and the bounds of
+    the quotient's (kernels/rope_cache.cu fp8_quotients), as floats and as
+    device tensors: the cached bytes are torch's conversion of v / scale,
+    and k's of the rotated k."""
+    k_cache, v_cache, poison, slots_h, k_rot, v = _fp8_special_call(rng, dtype, fmt, scale,
+                                                                   where)
     for cache, x in ((k_cache, k_rot), (v_cache, v)):
-        want = _fp8_like_torch(x, scale, fmt).reshape(t, hk, -1)
+        want = _fp8_like_torch(x, scale, fmt).reshape(*x.shape[:2], -1)
         np.testing.assert_array_equal(_cache_bytes(cache),
-                                      _expected_cache(poison, slots_h, want, "NHD", bs))
+                                      _expected_cache(poison, slots_h, want, "NHD", 16))
+
+
+@pytest.mark.parametrize("scale", [2.0 ** -33, 2.0 ** 40, 0.0, -1.0, float("nan")],
+                         ids=["2^-33", "2^40", "zero", "negative", "nan"])
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_device_scale_outside_the_bounds_stores_nan(rng, fmt, scale):
+    """A device scale the host would refuse (it is not read on the host):
+    every written code is NaN, never a quietly misrounded value; other
+    slots keep their bytes."""
+    k_cache, v_cache, poison, slots_h, _, _ = _fp8_special_call(rng, "bfloat16", fmt, scale,
+                                                                "device")
+    rows = poison.reshape(-1, 2, 128)  # [slots, hk, d] bytes
+    others = np.setdiff1d(np.arange(rows.shape[0]), slots_h)
+    for cache in (k_cache, v_cache):
+        got = _cache_bytes(cache).reshape(rows.shape)
+        np.testing.assert_array_equal(got[others], rows[others])
+        assert ((got[slots_h] & 0x7F) == 0x7F).all()

@@ -231,8 +231,7 @@ def test_without_the_norm_the_spec_is_todays():
 
 def test_eps_is_packed_where_the_kernel_reads_it():
     cc = _fake_call(NormOptions("head", "w", "before_weight", 3e-5))
-    shape = kv_cache.launch_shape(8, 48, 16, 132)
-    fixed = kv_cache._cache_fixed(cc, shape)
+    fixed = kv_cache._cache_fixed(cc)
     names = [n for n, _ in kv_cache.CACHE_FIXED_FIELDS]
     assert names[-1] == "eps"
     assert kv_cache._CACHE_FIXED.unpack(fixed)[-1] == np.float32(3e-5)
