@@ -255,8 +255,8 @@ FP8_MAX_SCALE = 2.0 ** 32
 
 
 def _check_scale_value(value: float, name: str) -> None:
-    """The kernel divides by the scale in float32: rounded there it must
-    lie in [FP8_MIN_SCALE, FP8_MAX_SCALE]."""
+    """The kernel takes the scale as a float32: rounded there it must lie
+    in [FP8_MIN_SCALE, FP8_MAX_SCALE]."""
     with np.errstate(over="ignore", under="ignore"):
         as_f32 = float(np.float32(value)) if np.isfinite(value) else value
     if not FP8_MIN_SCALE <= as_f32 <= FP8_MAX_SCALE:  # NaN fails too

@@ -30,12 +30,11 @@
 //                PAIRS pairs (for v: the same channels, copied), the rest
 //                TAIL_VEC channels of the tail [ROTARY_DIM, HEAD_DIM).
 //   threadIdx.y: head lane; heads are numbered q [0, hq), k [hq, hq + hk),
-//                v [hq + hk, hq + 2 hk) and a lane walks its block's heads,
-//                UNROLL heads' loads per pass.
+//                v [hq + hk, hq + 2 hk). Lane l of head group g (blockIdx.y)
+//                takes head g * blockDim.y + l, then every gridDim.y *
+//                blockDim.y heads further, UNROLL heads' loads per pass.
 //   threadIdx.z: token lane; blockIdx.x: token block; blockIdx.y: head group
-//                (few tokens: the heads split over several blocks; group g
-//                holds heads [g, g + 1) * blockDim.y, and a lane's next head
-//                is gridDim.y * blockDim.y further).
+//                (few tokens: the heads split over several blocks).
 //
 // With the per-head q/k RMSNorm (NORM, cupy_rope/kv_cache.py), q and k heads
 // are first normalized as norm_rope_kernel normalizes them (kernels/
@@ -627,7 +626,9 @@ __global__ void __launch_bounds__(CACHE_THREADS) rope_cache_kernel(const CachePa
   // The position is asked for first: its table rows are the longest wait.
   // With cu_seqlens, once the block's sequences are known (find_position).
   i64 pos = 0;
-  bool valid = POS_MODE == VARLEN || token_position<POS_MODE>(p, token, outer, inner, 0, pos);
+  bool valid = true;
+  if constexpr (POS_MODE != VARLEN)
+    valid = token_position<POS_MODE>(p, token, outer, inner, 0, pos);
   auto find_position = [&] {
     if constexpr (POS_MODE == VARLEN) {
       signal_wait(seq_ready);

@@ -116,9 +116,7 @@ def kernel_quotient(x, scale, *, correct=True) -> np.ndarray:
     product with the reciprocal alone, which must fail somewhere)."""
     x, s = ftz(x), F32(scale)
     with np.errstate(all="ignore"):
-        if not corrected(s):
-            return np.full(x.shape, np.nan, F32)
-        r = F32(1) / s
+        r = F32(1) / s if corrected(s) else F32(np.nan)  # fp8_recip
         q0 = ftz(x * r)
         if not correct:
             return q0

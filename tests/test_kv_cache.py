@@ -284,7 +284,7 @@ BAD = {
                                    ValueError, "k_scale"),
     "v_scale-overflows-float32": ({**FP8_CACHES, "k_scale": 1.0, "v_scale": 1e60},
                                   ValueError, "v_scale"),
-    # outside [kv_cache.FP8_MIN_SCALE, FP8_MAX_SCALE] the kernel's quotient is not exact
+    # host scales outside [kv_cache.FP8_MIN_SCALE, FP8_MAX_SCALE] are refused (device: NaN codes)
     "k_scale-subnormal": ({**FP8_CACHES, "k_scale": 1e-40, "v_scale": 1.0}, ValueError,
                           "k_scale"),
     "v_scale-below-min": ({**FP8_CACHES, "k_scale": 1.0, "v_scale": 2.0 ** -33}, ValueError,
@@ -425,13 +425,28 @@ def test_vector_width_follows_every_view(fmt, strides, pairs):
 
 
 def test_launch_shape_decode_splits_heads_prefill_unrolls():
-    decode = kv_cache.launch_shape(8, 48, 1, 132)
+    decode = kv_cache.launch_shape(8, 48, 16, 132)
     assert decode.unroll == 1 and decode.grid[1] > 1 and decode.block[0] == 8
-    assert decode.grid[1] * decode.block[1] >= 48  # a thread for each head (groups interleave)
+    assert decode.block[2] == 1 and decode.grid[0] == 16  # one token a block
+    assert decode.grid[1] * decode.block[1] >= 48  # a thread for each head
     prefill = kv_cache.launch_shape(8, 48, 16384, 132)
     assert prefill.unroll == 4 and prefill.grid[1] == 1
     assert prefill.grid[0] * prefill.block[2] >= 16384
     assert all(int(np.prod(s.block)) <= kv_cache.THREADS for s in (decode, prefill))
+
+
+@pytest.mark.parametrize("items, heads, tokens", [(8, 48, 1), (8, 48, 64), (16, 40, 3), (4, 3, 5),
+                                                   (32, 96, 20000), (8, 48, 16384)])
+def test_launch_shape_walks_every_head_once(items, heads, tokens):
+    """The kernel's walk (rope_cache_kernel: lane l of head group g takes
+    head g * blockDim.y + l, then every gridDim.y * blockDim.y further) over
+    the shape's grid and block covers each head exactly once."""
+    s = kv_cache.launch_shape(items, heads, tokens, 132)
+    lanes, groups = s.block[1], s.grid[1]
+    walked = [h for g in range(groups) for lane in range(lanes)
+              for h in range(g * lanes + lane, heads, groups * lanes)]
+    assert sorted(walked) == list(range(heads))
+    assert s.grid[0] * s.block[2] >= tokens
 
 
 def test_device_values_are_not_read_and_devices_must_match():
