@@ -95,7 +95,7 @@ struct CacheParams : Params {
 // smaller |q0| stores a zero of q0's sign and a larger one (inf, NaN)
 // saturates or stays NaN, as the IEEE quotient would. There is no division
 // for other scales: straight-line code lets ptxas interleave the stores of
-// a thread's packets (docs/performance.md, "FP8 decode").
+// a thread's packets (docs/performance.md, "Cache-op decode").
 constexpr float FP8_SCALE_MIN = 0x1p-32f;
 constexpr float FP8_SCALE_MAX = 0x1p+32f;
 constexpr float FP8_QUOTIENT_MIN = 0x1p-64f;
