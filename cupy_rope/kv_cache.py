@@ -548,7 +548,7 @@ def choose_spec(cc: CacheCall, unroll: int) -> CacheSpec:
 
 
 class _Shape(NamedTuple):
-    grid: tuple  # (token blocks, head groups, 1): the kernel interleaves the groups' heads
+    grid: tuple  # (token blocks, head groups, 1)
     block: tuple  # (items, head lanes, token lanes)
     unroll: int
 
