@@ -77,6 +77,9 @@ class CacheSpec:
     round_before: bool = False
     lanes: int = 1
     k_items: int = 1
+    # rope_cache_flat_kernel, the decode form (one 16-byte packet a thread;
+    # only dtype, head_dim, interleaved and cache_format matter then).
+    flat: bool = False
 
     source_file = "rope_cache.cu"
 
@@ -96,6 +99,10 @@ class CacheSpec:
     def name_expression(self) -> str:
         b = lambda v: "true" if v else "false"  # noqa: E731
         fmt = lambda f: str(FP8_FORMATS[f][0] if f != SAME else 0)  # noqa: E731
+        if self.flat:
+            return "rope::rope_cache_flat_kernel<" + ", ".join([
+                CXX_TYPES[self.dtype], str(self.head_dim), b(self.interleaved),
+                fmt(self.cache_format)]) + ">"
         return "rope::rope_cache_kernel<" + ", ".join([
             CXX_TYPES[self.dtype], CXX_TYPES[self.angle_dtype], str(self.head_dim),
             str(self.rotary_dim), b(self.interleaved), str(ANGLE_SOURCES[self.source]),
@@ -585,6 +592,41 @@ def launch_shape(items: int, heads: int, tokens: int, sm_count: int) -> _Shape:
     raise AssertionError("unreachable")
 
 
+#: Decode calls of dense head rows take rope_cache_flat_kernel (tests turn
+#: it off to run rope_cache_kernel on the same calls).
+FLAT_DECODE = True
+FLAT_THREADS = 128  # kernels/rope_cache.cu CACHE_FLAT_THREADS
+
+
+def flat_shape(cc: CacheCall, spec: CacheSpec, shape: _Shape) -> Optional[_Shape]:
+    """rope_cache_flat_kernel's grid for a decode call it takes (one 16-byte
+    packet of a head row a thread), else None: no norm, full rotary, x's
+    16-byte packets aligned in every view, float32 cos/sin tables, explicit
+    positions, one batch entry (thd), q stored in its dtype, and every
+    slab's heads dense rows of a plain head axis."""
+    call = cc.call
+    item = ITEMSIZE[call.dtype]
+    vec, d = 16 // item, call.head_dim
+    packets = d // vec
+    order = launch._token_order(call)
+    heads = sum(sl.heads for sl in call.slabs)
+    if not (FLAT_DECODE and shape.unroll == 1 and cc.norm is None and cc.q_format == SAME
+            and call.rotary_dim == d and d % vec == 0 and 32 % packets == 0
+            and (call.interleaved or packets % 2 == 0) and spec.vec == vec
+            and not spec.strided and not spec.table_strided and call.source == "table"
+            and call.tables[0].dtype == "float32" and call.pos_mode == "explicit"
+            and order.n_outer == 1 and call.tokens * heads * packets < 2 ** 31):
+        return None
+    for i, sl in enumerate(call.slabs):
+        views = [sl.x_strides] + ([sl.out_strides] if i == 0 else [])
+        for st in views:
+            _, _, _, head, dim = order.view(st, sl.heads_per_group)
+            if sl.heads_per_group < sl.heads or (sl.heads > 1 and head != d) or dim != 1:
+                return None
+    threads = call.tokens * heads * packets
+    return _Shape((-(-threads // FLAT_THREADS), 1, 1), (FLAT_THREADS, 1, 1), 1)
+
+
 def _cache_fixed(cc: CacheCall) -> bytes:
     call, cache = cc.call, cc.cache
     order = launch._token_order(call)
@@ -626,6 +668,9 @@ class Plan:
                 f"per head, more than {THREADS}; pass contiguous last axes")
         shape = launch_shape(probe.items, heads, call.tokens, launch._sm_count(self.device_id))
         self.spec = dataclasses.replace(probe, unroll=shape.unroll)
+        flat = None if self.empty else flat_shape(cc, self.spec, shape)
+        if flat is not None:
+            self.spec, shape = dataclasses.replace(self.spec, flat=True), flat
         self.shape = shape
         fixed = launch.fixed_params(call, [(0, 0, 0, 0)] * launch.MAX_SLABS)
         self.buf = (bytes(launch._DYNAMIC.size) + fixed + bytes(_CACHE_DYNAMIC.size)
@@ -1210,4 +1255,7 @@ def shipped_specs() -> list:
     for cc in calls:
         for unroll in (1, 4):
             specs.add(choose_spec(cc, unroll))
+        decode = choose_spec(cc, 1)
+        if flat_shape(cc, decode, _Shape((1, 1, 1), (1, 1, 1), 1)) is not None:
+            specs.add(dataclasses.replace(decode, flat=True))
     return sorted(specs, key=repr)

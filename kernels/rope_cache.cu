@@ -44,6 +44,10 @@
 // squares is taken in the norm kernel's order: q and the cached k equal the
 // norm op's results bit for bit where both read with the same vector widths.
 // q's tail channels are written normalized (in place too).
+//
+// Decode calls of dense head rows (full rotary, cos/sin tables, explicit
+// positions, no norm) take rope_cache_flat_kernel at the end of this file
+// instead: the same stores, one packet a thread.
 #include "norm_items.cuh"
 
 namespace rope {
@@ -674,6 +678,98 @@ __global__ void __launch_bounds__(CACHE_THREADS) rope_cache_kernel(const CachePa
         p, rows, ROTARY_DIM + static_cast<i64>(item - ROT_ITEMS) * TAIL_VEC, h_first, h_end,
         step);
   }
+}
+
+// Decode form (cupy_rope/kv_cache.py picks it for dense thd head rows, full
+// rotary, cos/sin tables and explicit positions, no norm): one 16-byte
+// packet of one head row a thread, rows in memory order (token-major, heads
+// q, k, v), the NeoX partner packet from the lane that loaded it, as
+// flat_kernel does (kernels/flat.cu). Its 32-bit index math gets the loads
+// out after a few instructions; rope_cache_kernel's general prologue is
+// most of a decode step. The rotation, the angles and the stores are
+// rope_cache_kernel's, so both give the same bits.
+constexpr int CACHE_FLAT_THREADS = 128;  // cupy_rope/kv_cache.py FLAT_THREADS
+
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int CACHE_FORMAT>
+__global__ void __launch_bounds__(CACHE_FLAT_THREADS) rope_cache_flat_kernel(const CacheParams p) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));
+  constexpr int PACKETS = HEAD_DIM / VEC;  // a head row
+  constexpr int HALF = PACKETS / 2;
+  constexpr int FREQS = INTERLEAVED ? VEC / 2 : VEC;
+  static_assert(HEAD_DIM % VEC == 0 && 32 % PACKETS == 0 && (INTERLEAVED || PACKETS % 2 == 0),
+                "whole head rows of whole packets in a warp (NeoX: an even count)");
+  const int hq = static_cast<int>(p.heads_q), hk = static_cast<int>(p.heads_kv);
+  const unsigned heads = hq + 2 * hk;
+  const unsigned rows = static_cast<unsigned>(p.n_inner) * heads;  // the host keeps it < 2^31
+  const unsigned u = blockIdx.x * CACHE_FLAT_THREADS + threadIdx.x;
+  if ((u & ~31u) / PACKETS >= rows) return;  // a spare warp (warp-uniform)
+  const bool live = u / PACKETS < rows;
+  const unsigned row = live ? u / PACKETS : 0;
+  const int pk = static_cast<int>(u % PACKETS);
+  const unsigned token = row / heads;
+  const int h = static_cast<int>(row - token * heads);
+
+  // The position and the slot first: the table row waits for one.
+  i64 pos = 0;
+  const bool valid = token_position<EXPLICIT>(p, token, 0, token, 0, pos);
+  const i64 slot = load_index(p.slot_mapping, token * p.slot_stride_inner, p.slot_is_64);
+  const int s = h < hq ? 0 : h < hq + hk ? 1 : 2;
+  const int j = h - (s == 0 ? 0 : s == 1 ? hq : hq + hk);
+  const i64 within = static_cast<i64>(j) * HEAD_DIM + pk * VEC;
+  const T* x = static_cast<const T*>(pick3(s, p.x_data[0], p.x_data[1], p.x_data[2])) +
+               token * pick3(s, p.slab[0].x.stride_inner, p.slab[1].x.stride_inner,
+                             p.slab[2].x.stride_inner) + within;
+  Packet<T, VEC> raw{};
+  if (live) raw = load_raw<T, VEC>(x, 1);
+
+  const bool first_half = INTERLEAVED || pk < HALF;
+  const int f0 = INTERLEAVED ? pk * FREQS : (first_half ? pk : pk - HALF) * VEC;
+  float c[FREQS], sn[FREQS], v[VEC];
+  angles<TABLE, float, FREQS, false>(p, pos, valid, f0, c, sn);
+  to_floats(raw, v);
+  if constexpr (INTERLEAVED) {
+    rotate_interleaved(v, c, sn);
+  } else {  // the partner packet: HALF lanes away, in the same row
+    const int lane = static_cast<int>(threadIdx.x & 31u);
+    unsigned w[4], pw[4];
+    memcpy(w, &raw, 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      pw[i] = __shfl_sync(0xffffffffu, w[i], lane + (first_half ? HALF : -HALF));
+    Packet<T, VEC> partner;
+    memcpy(&partner, pw, 16);
+    float b[VEC];
+    to_floats(partner, b);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i)
+      v[i] = first_half ? rotated_first(v[i], b[i], c[i], sn[i])
+                        : rotated_second(b[i], v[i], c[i], sn[i]);
+  }
+  if (!live) return;
+  if (s == 0) {
+    store<T, VEC>(static_cast<T*>(p.out_data[0]) + token * p.slab[0].out.stride_inner + within, 1,
+                  v);
+    return;
+  }
+  if (slot < 0 || slot >= p.n_slots) return;  // padding: nothing of it is cached
+  const i64 blk = p.n_slots <= 0xffffffffll
+                      ? static_cast<unsigned>(slot) / static_cast<unsigned>(p.block_size)
+                      : slot / p.block_size;
+  const i64 off = slot - blk * p.block_size;
+  const int which = s - 1;  // 0: k_cache, 1: v_cache
+  const CacheView& cv = which ? p.cache[1] : p.cache[0];
+  auto* dst = static_cast<Stored<T, CACHE_FORMAT>*>(which ? p.cache_data[1] : p.cache_data[0]) +
+              blk * cv.stride_block + off * cv.stride_offset + j * cv.stride_head + pk * VEC;
+  float scale = 1.0f, recip = 1.0f;
+  if constexpr (CACHE_FORMAT != SAME) {
+    const float* sp = which ? p.scale_ptr[2] : p.scale_ptr[1];
+    scale = sp ? *sp : (which ? p.scale[2] : p.scale[1]);
+    recip = fp8_recip(scale);
+  }
+  if (s == 1)
+    put<T, CACHE_FORMAT, VEC, false>(dst, 1, v, scale, recip);
+  else
+    put_raw<T, CACHE_FORMAT, VEC, false>(dst, 1, raw, scale, recip);
 }
 
 }  // namespace rope

@@ -454,3 +454,23 @@ def test_device_values_are_not_read_and_devices_must_match():
     assert cc.slots.on_gpu and cc.cache.block_size == 16 and cc.call.inplace
     with pytest.raises(ValueError, match="^k_scale"):
         _fake_call(fmt="float8_e5m2", k_scale=np.ones(1, np.float32))  # host scale, device q
+
+
+@pytest.mark.parametrize("kw, flat", [
+    ({"inplace": True}, True),
+    ({"inplace": True, "fmt": "float8_e4m3fn"}, True),
+    ({"inplace": True, "interleaved": True}, True),
+    ({"inplace": True, "cache_strides": (16 * 8 * 132, 8 * 132, 132, 1)}, False),  # 8-byte rows
+    ({"inplace": True, "tokens": 20000}, False),                       # prefill shape
+], ids=["bf16", "fp8", "gptj", "unaligned-cache", "prefill"])
+def test_flat_decode_takes_dense_decode_calls_only(kw, flat):
+    """rope_cache_flat_kernel takes decode calls of dense, aligned head rows
+    with full rotary (kv_cache.flat_shape); the rest keep rope_cache_kernel."""
+    cc = _fake_call(**kw)
+    spec = kv_cache.choose_spec(cc, 1)
+    heads = sum(sl.heads for sl in cc.call.slabs)
+    shape = kv_cache.launch_shape(spec.items, heads, cc.call.tokens, 132)
+    got = kv_cache.flat_shape(cc, spec, shape)
+    assert (got is not None) == flat
+    if flat:  # a thread for each 16-byte packet of every head row
+        assert got.grid[0] * got.block[0] >= cc.call.tokens * heads * 128 * 2 // 16

@@ -21,6 +21,7 @@ tools/gpu_suite.sh runs it under memcheck, racecheck and initcheck.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -541,7 +542,8 @@ def qk_norm_rope_flat():
 @case
 def rope_and_cache():
     """RoPE + KV-cache write: NHD and HND, bf16 and FP8 caches, padding
-    tokens and device slots past the cache (skipped, never written)."""
+    tokens and device slots past the cache (skipped, never written); the
+    decode form (rope_cache_flat_kernel) and the general kernel."""
     from cupy_rope import kv_cache
 
     n = 0
@@ -549,31 +551,35 @@ def rope_and_cache():
     cos, sin = tables(d, 200)
     slots = np.array([3, 17, -1, 40, 95, 2, -1, 60, 4000], np.int64)  # 4000: past the cache
     pos = rng.integers(0, 200, t).astype(np.int64)
-    for layout in ("NHD", "HND"):
-        for fmt in ("bfloat16", "float8_e4m3fn"):
-            shape = (blocks, bs, hk, d) if layout == "NHD" else (blocks, hk, bs, d)
-            q, k, v = (normal((t, h, d), "bfloat16") for h in (hq, hk, hk))
-            fp8 = fmt != "bfloat16"
-            kw = dict(cos=cos, sin=sin, positions=pos, cache_layout=layout)
+    for layout, fmt, flat in itertools.product(("NHD", "HND"), ("bfloat16", "float8_e4m3fn"),
+                                               (True, False)):
+        kv_cache.FLAT_DECODE = flat
+        kv_cache.clear_plans()
+        shape = (blocks, bs, hk, d) if layout == "NHD" else (blocks, hk, bs, d)
+        q, k, v = (normal((t, h, d), "bfloat16") for h in (hq, hk, hk))
+        fp8 = fmt != "bfloat16"
+        kw = dict(cos=cos, sin=sin, positions=pos, cache_layout=layout)
+        if fp8:
+            kw.update(cache_dtype=fmt, k_scale=0.5, v_scale=0.25)
+        store = np.uint8 if fp8 else BF16
+        fill = np.full(shape, 0x7F if fp8 else np.nan, store)
+        d_caches = [cupy.asarray(fill), cupy.asarray(fill)]
+        d_q = kv_cache.apply_rope_and_cache(*[cupy.asarray(a) for a in (q, k, v)],
+                                            *d_caches, cupy.asarray(slots),
+                                            **{a: dev(b) for a, b in kw.items()})
+        ref_slots = np.where(slots < blocks * bs, slots, -1)  # the host refuses 4000
+        h_caches = [fill.copy(), fill.copy()]
+        h_q = kv_cache.apply_rope_and_cache(q, k, v, *h_caches, ref_slots, **kw)
+        compare(host(d_q), h_q, "bfloat16", f"cache q {layout} {fmt}")
+        for got, want in zip(d_caches, h_caches):
+            got = host(got)
             if fp8:
-                kw.update(cache_dtype=fmt, k_scale=0.5, v_scale=0.25)
-            store = np.uint8 if fp8 else BF16
-            fill = np.full(shape, 0x7F if fp8 else np.nan, store)
-            d_caches = [cupy.asarray(fill), cupy.asarray(fill)]
-            d_q = kv_cache.apply_rope_and_cache(*[cupy.asarray(a) for a in (q, k, v)],
-                                                *d_caches, cupy.asarray(slots),
-                                                **{a: dev(b) for a, b in kw.items()})
-            ref_slots = np.where(slots < blocks * bs, slots, -1)  # the host refuses 4000
-            h_caches = [fill.copy(), fill.copy()]
-            h_q = kv_cache.apply_rope_and_cache(q, k, v, *h_caches, ref_slots, **kw)
-            compare(host(d_q), h_q, "bfloat16", f"cache q {layout} {fmt}")
-            for got, want in zip(d_caches, h_caches):
-                got = host(got)
-                if fp8:
-                    assert np.array_equal(got, want), f"cache {layout} {fmt}: FP8 bits differ"
-                else:
-                    compare(got, want, "bfloat16", f"cache {layout} {fmt}", nan_ok=True)
-            n += 1
+                assert np.array_equal(got, want), f"cache {layout} {fmt}: FP8 bits differ"
+            else:
+                compare(got, want, "bfloat16", f"cache {layout} {fmt}", nan_ok=True)
+        n += 1
+    kv_cache.FLAT_DECODE = True
+    kv_cache.clear_plans()
     # The prefill path (several heads a thread; forced on few tokens by a zero
     # blocks-per-SM threshold), on strided token rows, partial rotary, varlen
     # and an e5m2 cache.
