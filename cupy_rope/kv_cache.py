@@ -2,7 +2,8 @@
 
 :func:`apply_rope_and_cache` rotates q (in place, into ``out_q`` or into a
 new array) and k, and stores the rotated k and v at their cache slots, in
-one launch of ``rope_cache_kernel`` (kernels/rope_cache.cu).
+one launch of ``rope_cache_kernel`` (kernels/rope_cache.cu), or for a
+decode step of dense head rows of ``rope_cache_flat_kernel``.
 :func:`apply_qkv_rope_and_cache` does the same from a packed projection.
 :func:`slot_mapping_from_page_table` turns FlashInfer-style page tables
 into the ``slot_mapping`` the calls take.
@@ -51,7 +52,8 @@ MAX_BLOCK_Z = 64
 class CacheSpec:
     """Compile-time choices of one rope_cache_kernel instantiation (the
     rope_kernel fields of :class:`cupy_rope.specialize.Spec`, then the
-    output formats). :func:`cupy_rope.specialize.get_kernel` compiles it."""
+    output formats), or with ``flat`` of rope_cache_flat_kernel.
+    :func:`cupy_rope.specialize.get_kernel` compiles it."""
 
     dtype: str
     angle_dtype: str
@@ -593,24 +595,29 @@ def launch_shape(items: int, heads: int, tokens: int, sm_count: int) -> _Shape:
 
 
 #: Decode calls of dense head rows take rope_cache_flat_kernel (tests turn
-#: it off to run rope_cache_kernel on the same calls).
+#: it off to run rope_cache_kernel on the same calls), up to the largest
+#: token count measured (docs/performance.md, "Cache-op decode").
 FLAT_DECODE = True
-FLAT_THREADS = 128  # kernels/rope_cache.cu CACHE_FLAT_THREADS
+FLAT_DECODE_MAX_TOKENS = 64
+FLAT_DECODE_THREADS = 128  # kernels/rope_cache.cu CACHE_FLAT_THREADS
 
 
-def flat_shape(cc: CacheCall, spec: CacheSpec, shape: _Shape) -> Optional[_Shape]:
+def flat_decode_shape(cc: CacheCall, spec: CacheSpec, shape: _Shape) -> Optional[_Shape]:
     """rope_cache_flat_kernel's grid for a decode call it takes (one 16-byte
-    packet of a head row a thread), else None: no norm, full rotary, x's
-    16-byte packets aligned in every view, float32 cos/sin tables, explicit
-    positions, one batch entry (thd), q stored in its dtype, and every
-    slab's heads dense rows of a plain head axis."""
+    packet of a head row a thread), else None: the decode shape and at
+    most FLAT_DECODE_MAX_TOKENS tokens of one outer index (thd; tokens are
+    the kernel's inner index), no norm, full rotary, x's 16-byte packets
+    aligned in every view, float32 cos/sin tables, explicit positions, q
+    stored in its dtype, and every slab's heads dense rows of a plain head
+    axis."""
     call = cc.call
     item = ITEMSIZE[call.dtype]
     vec, d = 16 // item, call.head_dim
     packets = d // vec
     order = launch._token_order(call)
     heads = sum(sl.heads for sl in call.slabs)
-    if not (FLAT_DECODE and shape.unroll == 1 and cc.norm is None and cc.q_format == SAME
+    if not (FLAT_DECODE and shape.unroll == 1 and call.tokens <= FLAT_DECODE_MAX_TOKENS
+            and cc.norm is None and cc.q_format == SAME
             and call.rotary_dim == d and d % vec == 0 and 32 % packets == 0
             and (call.interleaved or packets % 2 == 0) and spec.vec == vec
             and not spec.strided and not spec.table_strided and call.source == "table"
@@ -624,7 +631,7 @@ def flat_shape(cc: CacheCall, spec: CacheSpec, shape: _Shape) -> Optional[_Shape
             if sl.heads_per_group < sl.heads or (sl.heads > 1 and head != d) or dim != 1:
                 return None
     threads = call.tokens * heads * packets
-    return _Shape((-(-threads // FLAT_THREADS), 1, 1), (FLAT_THREADS, 1, 1), 1)
+    return _Shape((-(-threads // FLAT_DECODE_THREADS), 1, 1), (FLAT_DECODE_THREADS, 1, 1), 1)
 
 
 def _cache_fixed(cc: CacheCall) -> bytes:
@@ -668,7 +675,7 @@ class Plan:
                 f"per head, more than {THREADS}; pass contiguous last axes")
         shape = launch_shape(probe.items, heads, call.tokens, launch._sm_count(self.device_id))
         self.spec = dataclasses.replace(probe, unroll=shape.unroll)
-        flat = None if self.empty else flat_shape(cc, self.spec, shape)
+        flat = None if self.empty else flat_decode_shape(cc, self.spec, shape)
         if flat is not None:
             self.spec, shape = dataclasses.replace(self.spec, flat=True), flat
         self.shape = shape
@@ -1256,6 +1263,6 @@ def shipped_specs() -> list:
         for unroll in (1, 4):
             specs.add(choose_spec(cc, unroll))
         decode = choose_spec(cc, 1)
-        if flat_shape(cc, decode, _Shape((1, 1, 1), (1, 1, 1), 1)) is not None:
+        if flat_decode_shape(cc, decode, _Shape((1, 1, 1), (1, 1, 1), 1)) is not None:
             specs.add(dataclasses.replace(decode, flat=True))
     return sorted(specs, key=repr)

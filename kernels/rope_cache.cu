@@ -45,9 +45,10 @@
 // norm op's results bit for bit where both read with the same vector widths.
 // q's tail channels are written normalized (in place too).
 //
-// Decode calls of dense head rows (full rotary, cos/sin tables, explicit
-// positions, no norm) take rope_cache_flat_kernel at the end of this file
-// instead: the same stores, one packet a thread.
+// Decode calls of dense head rows (kv_cache.flat_decode_shape: few tokens
+// with one outer index, full rotary, float32 cos/sin tables, explicit
+// positions, q in its dtype, no norm) take rope_cache_flat_kernel at the end
+// of this file instead: the same stores, one packet a thread.
 #include "norm_items.cuh"
 
 namespace rope {
@@ -64,7 +65,6 @@ struct CacheView {
 enum StoreFormat : int { SAME = 0, E4M3 = 1, E5M2 = 2 };
 
 constexpr int CACHE_THREADS = 256;     // threads per block (cupy_rope/kv_cache.py THREADS)
-constexpr int CACHE_BLOCK_TOKENS = 64;  // token lanes of a block (blockDim.z, CUDA's limit)
 
 // The kernel's parameters: rope_kernel's (slab 0 q with its output, slab 1
 // k, slab 2 v; only their x views, q's out view and the angle and position
@@ -617,7 +617,8 @@ __global__ void __launch_bounds__(CACHE_THREADS) rope_cache_kernel(const CachePa
   const i64 inner = tk - outer * p.n_inner;
 
   // VARLEN: the block's sequences, found by its first warp (kernels/positions.cuh).
-  __shared__ int seq_of_lane[CACHE_BLOCK_TOKENS];
+  constexpr int BLOCK_TOKENS = 64;  // token lanes of a block (blockDim.z, CUDA's limit)
+  __shared__ int seq_of_lane[BLOCK_TOKENS];
   __shared__ SequenceSignal seq_ready;
   if constexpr (POS_MODE == VARLEN) {
     signal_init(seq_ready);
@@ -680,15 +681,14 @@ __global__ void __launch_bounds__(CACHE_THREADS) rope_cache_kernel(const CachePa
   }
 }
 
-// Decode form (cupy_rope/kv_cache.py picks it for dense thd head rows, full
-// rotary, cos/sin tables and explicit positions, no norm): one 16-byte
-// packet of one head row a thread, rows in memory order (token-major, heads
-// q, k, v), the NeoX partner packet from the lane that loaded it, as
+// Decode form (cupy_rope/kv_cache.py flat_decode_shape picks it): one
+// 16-byte packet of one head row a thread, rows token-major, a token's heads
+// q, k, v in turn; the NeoX partner packet from the lane that loaded it, as
 // flat_kernel does (kernels/flat.cu). Its 32-bit index math gets the loads
 // out after a few instructions; rope_cache_kernel's general prologue is
 // most of a decode step. The rotation, the angles and the stores are
 // rope_cache_kernel's, so both give the same bits.
-constexpr int CACHE_FLAT_THREADS = 128;  // cupy_rope/kv_cache.py FLAT_THREADS
+constexpr int CACHE_FLAT_THREADS = 128;  // cupy_rope/kv_cache.py FLAT_DECODE_THREADS (a test ties them)
 
 template <typename T, int HEAD_DIM, bool INTERLEAVED, int CACHE_FORMAT>
 __global__ void __launch_bounds__(CACHE_FLAT_THREADS) rope_cache_flat_kernel(const CacheParams p) {
@@ -724,11 +724,11 @@ __global__ void __launch_bounds__(CACHE_FLAT_THREADS) rope_cache_flat_kernel(con
 
   const bool first_half = INTERLEAVED || pk < HALF;
   const int f0 = INTERLEAVED ? pk * FREQS : (first_half ? pk : pk - HALF) * VEC;
-  float c[FREQS], sn[FREQS], v[VEC];
+  float c[FREQS], sn[FREQS], y[VEC];
   angles<TABLE, float, FREQS, false>(p, pos, valid, f0, c, sn);
-  to_floats(raw, v);
+  to_floats(raw, y);
   if constexpr (INTERLEAVED) {
-    rotate_interleaved(v, c, sn);
+    rotate_interleaved(y, c, sn);
   } else {  // the partner packet: HALF lanes away, in the same row
     const int lane = static_cast<int>(threadIdx.x & 31u);
     unsigned w[4], pw[4];
@@ -742,13 +742,13 @@ __global__ void __launch_bounds__(CACHE_FLAT_THREADS) rope_cache_flat_kernel(con
     to_floats(partner, b);
 #pragma unroll
     for (int i = 0; i < VEC; ++i)
-      v[i] = first_half ? rotated_first(v[i], b[i], c[i], sn[i])
-                        : rotated_second(b[i], v[i], c[i], sn[i]);
+      y[i] = first_half ? rotated_first(y[i], b[i], c[i], sn[i])
+                        : rotated_second(b[i], y[i], c[i], sn[i]);
   }
   if (!live) return;
   if (s == 0) {
     store<T, VEC>(static_cast<T*>(p.out_data[0]) + token * p.slab[0].out.stride_inner + within, 1,
-                  v);
+                  y);
     return;
   }
   if (slot < 0 || slot >= p.n_slots) return;  // padding: nothing of it is cached
@@ -767,7 +767,7 @@ __global__ void __launch_bounds__(CACHE_FLAT_THREADS) rope_cache_flat_kernel(con
     recip = fp8_recip(scale);
   }
   if (s == 1)
-    put<T, CACHE_FORMAT, VEC, false>(dst, 1, v, scale, recip);
+    put<T, CACHE_FORMAT, VEC, false>(dst, 1, y, scale, recip);
   else
     put_raw<T, CACHE_FORMAT, VEC, false>(dst, 1, raw, scale, recip);
 }

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from cupy_rope import kv_cache, launch
+from cupy_rope import kv_cache, launch, specialize
 from cupy_rope.kv_cache import apply_qkv_rope_and_cache, apply_rope_and_cache
 from helpers import np_dtype
 
@@ -462,15 +462,26 @@ def test_device_values_are_not_read_and_devices_must_match():
     ({"inplace": True, "interleaved": True}, True),
     ({"inplace": True, "cache_strides": (16 * 8 * 132, 8 * 132, 132, 1)}, False),  # 8-byte rows
     ({"inplace": True, "tokens": 20000}, False),                       # prefill shape
-], ids=["bf16", "fp8", "gptj", "unaligned-cache", "prefill"])
+    ({"inplace": True, "tokens": kv_cache.FLAT_DECODE_MAX_TOKENS + 1}, False),  # unmeasured
+    ({"inplace": True, "weight_mode": "none"}, False),                 # the q/k norm
+], ids=["bf16", "fp8", "gptj", "unaligned-cache", "prefill", "tokens", "norm"])
 def test_flat_decode_takes_dense_decode_calls_only(kw, flat):
     """rope_cache_flat_kernel takes decode calls of dense, aligned head rows
-    with full rotary (kv_cache.flat_shape); the rest keep rope_cache_kernel."""
+    with full rotary (kv_cache.flat_decode_shape); the rest keep
+    rope_cache_kernel."""
     cc = _fake_call(**kw)
     spec = kv_cache.choose_spec(cc, 1)
     heads = sum(sl.heads for sl in cc.call.slabs)
     shape = kv_cache.launch_shape(spec.items, heads, cc.call.tokens, 132)
-    got = kv_cache.flat_shape(cc, spec, shape)
+    got = kv_cache.flat_decode_shape(cc, spec, shape)
     assert (got is not None) == flat
-    if flat:  # a thread for each 16-byte packet of every head row
-        assert got.grid[0] * got.block[0] >= cc.call.tokens * heads * 128 * 2 // 16
+    if flat:  # a thread for each 16-byte packet of every head row, one block more at most
+        threads = cc.call.tokens * heads * 128 * 2 // 16
+        assert got.block == (kv_cache.FLAT_DECODE_THREADS, 1, 1)
+        assert threads <= got.grid[0] * got.block[0] < threads + got.block[0]
+
+
+def test_flat_decode_threads_are_the_kernels():
+    """The host's block size is the kernel's launch bound."""
+    text = (specialize.KERNEL_DIR / "rope_cache.cu").read_text()
+    assert f"constexpr int CACHE_FLAT_THREADS = {kv_cache.FLAT_DECODE_THREADS};" in text

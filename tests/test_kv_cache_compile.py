@@ -43,9 +43,14 @@ def test_every_shipped_specialization_compiles_for_sm90():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100"])
 def test_other_architectures_compile(arch):
     # sm_80: FP8 by the software conversion; sm_89 on: cvt ... e4m3x2 / e5m2x2
-    specs = [s for s in kv_cache.shipped_specs() if s.head_dim == 128 and s.unroll == 4
+    shipped = kv_cache.shipped_specs()
+    specs = [s for s in shipped if s.head_dim == 128 and s.unroll == 4
              and s.dtype == "bfloat16" and s.source == "table"][:12]
     assert {s.cache_format for s in specs} >= set(kv_cache.FP8_FORMATS)
+    # and the decode form alone (its own program: no warning may fail it)
+    flat = [s for s in shipped if s.flat and s.head_dim == 128 and s.dtype == "bfloat16"]
+    assert {s.cache_format for s in flat} >= set(kv_cache.FP8_FORMATS)
+    specialize.compile_for_arch(flat, arch)
     specialize.compile_for_arch(specs, arch)
 
 

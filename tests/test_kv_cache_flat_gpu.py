@@ -90,3 +90,64 @@ def test_flat_decode_matches_the_general_kernel(rng, dtype, fmt, d, interleaved,
     for name, a, b in zip(("q", "k_cache", "v_cache"), got[:-1], want[:-1]):
         np.testing.assert_array_equal(a, b, err_msg=name)
     assert (got[1] != POISON).any()  # something was cached
+
+
+def _both(run):
+    """run() under each kernel: ((q bytes, caches...), flat chosen) twice."""
+    out = []
+    for flat in (True, False):
+        kv_cache.FLAT_DECODE = flat
+        kv_cache.clear_plans()
+        res = run()
+        chosen = [p.plan.spec.flat for p in kv_cache._plans.values()]
+        out.append((res, chosen))
+    return out
+
+
+def _bytes(t):
+    import torch
+
+    return t.contiguous().view(torch.uint8).cpu().numpy()
+
+
+@pytest.mark.parametrize("form", ["odd-heads", "out-padded", "packed-qkv", "int32"])
+def test_flat_decode_other_forms(rng, form):
+    """Warps with idle lanes (5 + 2 heads of 8 packets, 7 tokens), q out of
+    place with padded token rows, a packed projection in place, int32
+    positions and slots: both kernels write the same bytes."""
+    import torch
+
+    hq, hk, d, t = (5, 1, 64, 7) if form == "odd-heads" else (8, 2, 128, 9)
+    bs, blocks = 16, 4
+    base = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
+    pos_dt = torch.int32 if form == "int32" else torch.int64
+    pos = torch.from_numpy(rng.integers(0, 64, t)).cuda().to(pos_dt)
+    slots = torch.from_numpy(rng.choice(blocks * bs, t, replace=False)).cuda().to(pos_dt)
+    slots[2] = -1
+    inv = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    theta = np.arange(64)[:, None] * inv[None, :].astype(np.float64)
+    csc = torch.from_numpy(np.concatenate([np.cos(theta), np.sin(theta)], 1).astype(np.float32))
+    kw = dict(cos_sin_cache=csc.cuda(), positions=pos, layout="thd")
+
+    def run():
+        qkv = base.clone()
+        caches = [torch.full((blocks, bs, hk, d), float("nan"), device="cuda",
+                             dtype=torch.bfloat16) for _ in range(2)]
+        if form == "packed-qkv":
+            kv_cache.apply_qkv_rope_and_cache(qkv, *caches, slots, num_q_heads=hq,
+                                              num_kv_heads=hk, head_dim=d, inplace=True, **kw)
+            return [_bytes(qkv), *map(_bytes, caches)]
+        q, k, v = (qkv[:, a * d:b * d].view(t, -1, d)
+                   for a, b in ((0, hq), (hq, hq + hk), (hq + hk, hq + 2 * hk)))
+        if form == "out-padded":
+            out = torch.full((t, hq * d + 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+            kv_cache.apply_rope_and_cache(q, k, v, *caches, slots, out_q=out[:, :hq * d]
+                                          .view(t, hq, d), **kw)
+            return [_bytes(out), *map(_bytes, caches)]
+        kv_cache.apply_rope_and_cache(q, k, v, *caches, slots, inplace=True, **kw)
+        return [_bytes(qkv), *map(_bytes, caches)]
+
+    (got, flat), (want, general) = _both(run)
+    assert flat == [True] and general == [False]
+    for name, a, b in zip(("q", "k_cache", "v_cache"), got, want):
+        np.testing.assert_array_equal(a, b, err_msg=name)

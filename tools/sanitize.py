@@ -577,6 +577,7 @@ def rope_and_cache():
                 assert np.array_equal(got, want), f"cache {layout} {fmt}: FP8 bits differ"
             else:
                 compare(got, want, "bfloat16", f"cache {layout} {fmt}", nan_ok=True)
+        assert [p.plan.spec.flat for p in kv_cache._plans.values()] == [flat], "kernel not taken"
         n += 1
     kv_cache.FLAT_DECODE = True
     kv_cache.clear_plans()
