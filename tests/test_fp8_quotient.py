@@ -19,7 +19,7 @@ guarded range, every bf16 and fp16 bit pattern, random float32 bit patterns
 with random scales, special values, and quotients near every FP8 rounding
 tie; then the same after the FP8 conversion. The kernel's bounds are read
 from its source, so the two cannot drift apart. (Every pair of mantissas,
-2^46, was checked on the GPU: docs/performance.md, "Known limits".)
+2^46, was checked on the GPU: docs/performance.md, "Cache-op decode".)
 """
 
 from __future__ import annotations
