@@ -219,6 +219,23 @@ __device__ __forceinline__ V pick3(int i, V a, V b, V c) {
   return i == 0 ? a : i == 1 ? b : c;
 }
 
+// The slab of head h (0 q, 1 k, 2 v: heads q [0, hq), k [hq, n_rot), v
+// [n_rot, n_rot + hk)) and the head's index there.
+__device__ __forceinline__ int head_slab(int h, int hq, int n_rot) {
+  return h < hq ? 0 : h < n_rot ? 1 : 2;
+}
+__device__ __forceinline__ int head_in_slab(int h, int s, int hq, int n_rot) {
+  return h - (s == 0 ? 0 : s == 1 ? hq : n_rot);
+}
+
+// The cache block of `slot` (in [0, n_slots)); 32-bit division where the
+// slots allow.
+__device__ __forceinline__ i64 slot_block(const CacheParams& p, i64 slot) {
+  return p.n_slots <= 0xffffffffll
+             ? static_cast<unsigned>(slot) / static_cast<unsigned>(p.block_size)
+             : slot / p.block_size;
+}
+
 // One token's head rows: where head h (q [0, hq), k [hq, hq + hk), v
 // [hq + hk, hq + 2 hk)) is read, and where its results go (q's output, or
 // the k / v cache row of the token's slot), with the scales of FP8 outputs.
@@ -244,10 +261,8 @@ struct TokenRows {
     for (int s = 0; s < 3; ++s) recip[s] = fp8_recip(scale[s]);
     write_kv = slot >= 0 && slot < p.n_slots;
     i64 blk = 0, off = 0;
-    if (write_kv) {  // 32-bit division where the slots allow
-      blk = p.n_slots <= 0xffffffffll
-                ? static_cast<unsigned>(slot) / static_cast<unsigned>(p.block_size)
-                : slot / p.block_size;
+    if (write_kv) {
+      blk = slot_block(p, slot);
       off = slot - blk * p.block_size;
     }
 #pragma unroll
@@ -257,10 +272,8 @@ struct TokenRows {
   }
 
   // The slab of head h (0 q, 1 k, 2 v) and its index there.
-  __device__ __forceinline__ int slab_of(int h) const { return h < hq ? 0 : h < n_rot ? 1 : 2; }
-  __device__ __forceinline__ int local(int h, int s) const {
-    return h - (s == 0 ? 0 : s == 1 ? hq : n_rot);
-  }
+  __device__ __forceinline__ int slab_of(int h) const { return head_slab(h, hq, n_rot); }
+  __device__ __forceinline__ int local(int h, int s) const { return head_in_slab(h, s, hq, n_rot); }
   // A padding token's k and v are dropped at the store.
   __device__ __forceinline__ bool skipped(int s) const { return s != 0 && !write_kv; }
 
@@ -688,7 +701,7 @@ __global__ void __launch_bounds__(CACHE_THREADS) rope_cache_kernel(const CachePa
 // out after a few instructions; rope_cache_kernel's general prologue is
 // most of a decode step. The rotation, the angles and the stores are
 // rope_cache_kernel's, so both give the same bits.
-constexpr int CACHE_FLAT_THREADS = 128;  // cupy_rope/kv_cache.py FLAT_DECODE_THREADS (a test ties them)
+constexpr int CACHE_FLAT_THREADS = 128;  // kv_cache.py FLAT_DECODE_THREADS (a test ties them)
 
 template <typename T, int HEAD_DIM, bool INTERLEAVED, int CACHE_FORMAT>
 __global__ void __launch_bounds__(CACHE_FLAT_THREADS) rope_cache_flat_kernel(const CacheParams p) {
@@ -713,8 +726,8 @@ __global__ void __launch_bounds__(CACHE_FLAT_THREADS) rope_cache_flat_kernel(con
   i64 pos = 0;
   const bool valid = token_position<EXPLICIT>(p, token, 0, token, 0, pos);
   const i64 slot = load_index(p.slot_mapping, token * p.slot_stride_inner, p.slot_is_64);
-  const int s = h < hq ? 0 : h < hq + hk ? 1 : 2;
-  const int j = h - (s == 0 ? 0 : s == 1 ? hq : hq + hk);
+  const int s = head_slab(h, hq, hq + hk);
+  const int j = head_in_slab(h, s, hq, hq + hk);
   const i64 within = static_cast<i64>(j) * HEAD_DIM + pk * VEC;
   const T* x = static_cast<const T*>(pick3(s, p.x_data[0], p.x_data[1], p.x_data[2])) +
                token * pick3(s, p.slab[0].x.stride_inner, p.slab[1].x.stride_inner,
@@ -752,9 +765,7 @@ __global__ void __launch_bounds__(CACHE_FLAT_THREADS) rope_cache_flat_kernel(con
     return;
   }
   if (slot < 0 || slot >= p.n_slots) return;  // padding: nothing of it is cached
-  const i64 blk = p.n_slots <= 0xffffffffll
-                      ? static_cast<unsigned>(slot) / static_cast<unsigned>(p.block_size)
-                      : slot / p.block_size;
+  const i64 blk = slot_block(p, slot);
   const i64 off = slot - blk * p.block_size;
   const int which = s - 1;  // 0: k_cache, 1: v_cache
   const CacheView& cv = which ? p.cache[1] : p.cache[0];
