@@ -1263,6 +1263,8 @@ def shipped_specs() -> list:
         for unroll in (1, 4):
             specs.add(choose_spec(cc, unroll))
         decode = choose_spec(cc, 1)
-        if flat_decode_shape(cc, decode, _Shape((1, 1, 1), (1, 1, 1), 1)) is not None:
+        heads = sum(sl.heads for sl in cc.call.slabs)
+        shape = launch_shape(decode.items, heads, cc.call.tokens, sm_count=132)
+        if flat_decode_shape(cc, decode, shape) is not None:
             specs.add(dataclasses.replace(decode, flat=True))
     return sorted(specs, key=repr)
